@@ -1,0 +1,24 @@
+"""Shared comparison helpers: bitwise equality that names the first mismatching coordinate."""
+
+import torch
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "tensor") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a, e = as_bits(actual).cpu(), as_bits(expected).cpu()
+    diff = a != e
+    if bool(diff.any()):
+        idx = tuple(int(i) for i in diff.nonzero()[0])
+        n = int(diff.sum())
+        raise AssertionError(
+            f"{what}: {n} of {a.numel()} elements differ; first at {idx}: "
+            f"got {actual.cpu()[idx]!r} (bits {int(a[idx]):#x}), expected {expected.cpu()[idx]!r} "
+            f"(bits {int(e[idx]):#x})"
+        )
