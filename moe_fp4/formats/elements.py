@@ -30,6 +30,7 @@ class ElementFormat:
     bias: int  # exponent bias
     max_code: int  # magnitude code of the largest finite value
     nan_code: int | None  # magnitude code written for NaN, None when the format has no NaN
+    inf_code: int | None = None  # magnitude code of Inf (decoding only: encoding saturates)
 
     @property
     def bits(self) -> int:
@@ -69,7 +70,7 @@ E2M1 = ElementFormat("e2m1", 2, 1, 1, max_code=0x7, nan_code=None)  # FP4, max 6
 E2M3 = ElementFormat("e2m3", 2, 3, 1, max_code=0x1F, nan_code=None)  # FP6, max 7.5
 E3M2 = ElementFormat("e3m2", 3, 2, 3, max_code=0x1F, nan_code=None)  # FP6, max 28
 E4M3 = ElementFormat("e4m3", 4, 3, 7, max_code=0x7E, nan_code=0x7F)  # FP8, max 448, no Inf
-E5M2 = ElementFormat("e5m2", 5, 2, 15, max_code=0x7B, nan_code=0x7F)  # FP8, max 57344 (Inf 0x7C kept out)
+E5M2 = ElementFormat("e5m2", 5, 2, 15, max_code=0x7B, nan_code=0x7F, inf_code=0x7C)  # FP8, max 57344
 
 ELEMENT_FORMATS: dict[str, ElementFormat] = {f.name: f for f in (E2M1, E2M3, E3M2, E4M3, E5M2)}
 
@@ -157,7 +158,10 @@ def decode_table(fmt: str | ElementFormat, device=None) -> torch.Tensor:
     values = []
     for code in range(1 << f.bits):
         mag = code & (f.sign_bit - 1)
-        v = float("nan") if (f.nan_code is not None and mag == f.nan_code) else _magnitude_value(f, mag)
+        if mag <= f.max_code:
+            v = _magnitude_value(f, mag)
+        else:  # above the largest finite code: Inf where the format has it, NaN otherwise
+            v = float("inf") if mag == f.inf_code else float("nan")
         values.append(-v if code & f.sign_bit else v)
     return torch.tensor(values, dtype=torch.float32, device=device)
 
@@ -221,7 +225,13 @@ def encode_ue8m0(x: torch.Tensor, *, rounding: str = "up") -> torch.Tensor:
     u = _float32_bits(x)
     exp32 = (u >> 23) & 0xFF
     mant = u & 0x7FFFFF
-    b = exp32 + ((mant != 0) & (exp32 != 0xFF)).to(torch.int64) if rounding == "up" else exp32
+    if rounding == "up":
+        # Normal: the exponent field, plus one when any mantissa bit is set. Subnormal (field 0):
+        # 2^-127 is byte 0 itself; anything above it rounds up to byte 1 (2^-126).
+        normal_up = exp32 + ((mant != 0) & (exp32 != 0xFF)).to(torch.int64)
+        b = torch.where(exp32 == 0, (mant > 0x400000).to(torch.int64), normal_up)
+    else:
+        b = exp32
     b = torch.clamp(b, max=254)
     return torch.where(exp32 == 0xFF, torch.full_like(b, UE8M0_NAN), b).to(torch.uint8)
 
