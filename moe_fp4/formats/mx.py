@@ -17,8 +17,8 @@ import torch
 
 from moe_fp4.formats._checks import as_float32, check_multiple, check_tensor
 from moe_fp4.formats.elements import (
-    UE8M0_NAN,
     E2M1,
+    UE8M0_NAN,
     decode_elements,
     decode_ue8m0,
     element_format,

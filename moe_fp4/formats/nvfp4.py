@@ -4,7 +4,8 @@ Rules (the spec):
   * tensor scale ``global_scale = float32(global_amax / (6 * 448))``; ``global_amax`` is the largest
     finite |x| unless the caller gives one (e.g. from an amax history);
   * block scale: ``e4m3(float32(block_amax / (6 * global_scale)))`` (round to nearest even,
-    saturating at 448); blocks are 1x16 along the last dimension, or 16x16 tiles of the last two
+    saturating at 448: the nearest E4M3 value may lie below the exact ratio, so a block's largest
+    element can saturate slightly at 6); blocks are 1x16 along the last dimension, or 16x16 tiles of the last two
     dimensions with ``block_2d=True`` (weights);
   * elements: ``e2m1(float32(x / d))`` with ``d = float32(e4m3_value(block_scale) * global_scale)``;
     a block whose ``d`` is 0 (zero tensor or zero block) has zero data;
