@@ -1,0 +1,476 @@
+"""Dense-layer recipes: QuantLinear's fprop / dgrad / wgrad against references built from the spec.
+
+Each reference quantizes every operand with the spec functions of moe_fp4.formats directly (along
+the operand's own reduction axis, from the high-precision tensor), dequantizes, and multiplies in
+float32; QuantLinear must give the same bits.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _compare import assert_bitwise_equal
+
+import moe_fp4
+import moe_fp4.formats as S
+from moe_fp4.recipes import (
+    FP8BlockwiseRecipe,
+    MXFP4Recipe,
+    MXFP8Recipe,
+    NVFP4Recipe,
+    QuantLinear,
+    apply_rht,
+    autocast,
+    convert_linears,
+    set_recipe,
+)
+
+
+def mm(a, b):
+    """The float32 product used by both sides (same layouts, so the same BLAS path)."""
+    return torch.matmul(a.contiguous(), b.contiguous())
+
+
+def pad_tokens(t, block):
+    """Zero-pad the last (token) axis of a wgrad operand to a multiple of ``block``."""
+    return F.pad(t, (0, -t.shape[-1] % block))
+
+
+def spread(*shape):
+    """Random values whose magnitudes spread over many binades (rows and 16-wide groups differ)."""
+    base = torch.randn(*shape)
+    mag = torch.exp2(torch.randint(-6, 7, (*shape[:-1], shape[-1] // 16, 1)).float())
+    return base * mag.repeat_interleave(16, -1).reshape(shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# references, one per recipe: (fprop(x, w), dgrad(g, w, gen), wgrad(g, x, gen)) with x [M, K],
+# w [N, K], g [M, N]; gen is the stochastic-rounding generator (consumed dgrad first, then wgrad)
+# ------------------------------------------------------------------------------------------------
+
+
+def ref_mxfp8(r: MXFP8Recipe):
+    def q(t, fmt, axis):
+        data, s = S.quantize_mxfp8(t, fmt=fmt, scale_rounding=r.scale_rounding, axis=axis)
+        return S.dequantize_mxfp8(data, s, axis=axis)
+
+    def fprop(x, w):
+        return mm(q(x, r.fmt, -1), q(w, r.fmt, -1).t())
+
+    def dgrad(g, w, gen):
+        return mm(q(g, r.grad_fmt, -1), q(w, r.fmt, 0))
+
+    def wgrad(g, x, gen):
+        return mm(q(pad_tokens(g.t(), 32), r.grad_fmt, -1),
+                  q(pad_tokens(x.t(), 32), r.fmt, -1).t())
+
+    return fprop, dgrad, wgrad
+
+
+def ref_nvfp4(r: NVFP4Recipe):
+    def q(t, *, block_2d=False, sr=False, gen=None):
+        p, s, gs = S.quantize_nvfp4(t, block_2d=block_2d, rounding="stochastic" if sr else "nearest",
+                                    generator=gen)
+        return S.dequantize_nvfp4(p, s, gs)
+
+    rht = apply_rht if r.wgrad_rht else (lambda t: t)
+    sr = r.stochastic_rounding
+
+    def fprop(x, w):
+        return mm(q(x), q(w, block_2d=r.weight_2d).t())
+
+    def dgrad(g, w, gen):
+        return mm(q(g, sr=sr, gen=gen), q(w.t(), block_2d=r.weight_2d).t())
+
+    def wgrad(g, x, gen):
+        return mm(q(rht(pad_tokens(g.t(), 16)), sr=sr, gen=gen),
+                  q(rht(pad_tokens(x.t(), 16))).t())
+
+    return fprop, dgrad, wgrad
+
+
+def ref_mxfp4(r: MXFP4Recipe):
+    def q(t, *, sr=False, gen=None):
+        p, s = S.quantize_mxfp4(t, scale_rounding=r.scale_rounding, rounding="stochastic" if sr else "nearest",
+                                generator=gen)
+        return S.dequantize_mxfp4(p, s)
+
+    rht = apply_rht if r.wgrad_rht else (lambda t: t)
+    sr = r.stochastic_rounding
+
+    def fprop(x, w):
+        return mm(q(x), q(w).t())
+
+    def dgrad(g, w, gen):
+        return mm(q(g, sr=sr, gen=gen), q(w.t()).t())
+
+    def wgrad(g, x, gen):
+        return mm(q(rht(pad_tokens(g.t(), 32)), sr=sr, gen=gen), q(rht(pad_tokens(x.t(), 32))).t())
+
+    return fprop, dgrad, wgrad
+
+
+def ref_fp8_blockwise(r: FP8BlockwiseRecipe):
+    def q(t, block):
+        data, s = S.quantize_fp8_blockwise(t, block=block)
+        return S.dequantize_fp8_blockwise(data, s, block=block)
+
+    row, tile = (1, 128), (128, 128)
+
+    def fprop(x, w):
+        return mm(q(x, row), q(w, tile).t())
+
+    def dgrad(g, w, gen):
+        return mm(q(g, row), q(w.t(), tile).t())
+
+    def wgrad(g, x, gen):
+        return mm(q(pad_tokens(g.t(), 128), row), q(pad_tokens(x.t(), 128), row).t())
+
+    return fprop, dgrad, wgrad
+
+
+CASES = [
+    (MXFP8Recipe(), ref_mxfp8),
+    (MXFP8Recipe(scale_rounding="down", grad_fmt="e5m2"), ref_mxfp8),
+    (NVFP4Recipe(), ref_nvfp4),
+    (NVFP4Recipe(weight_2d=False, wgrad_rht=False, stochastic_rounding=False), ref_nvfp4),
+    (MXFP4Recipe(), ref_mxfp4),
+    (MXFP4Recipe(scale_rounding="down", wgrad_rht=False, stochastic_rounding=False), ref_mxfp4),
+    (FP8BlockwiseRecipe(backend="emulate"), ref_fp8_blockwise),
+]
+
+
+@pytest.mark.parametrize("recipe,make_ref", CASES, ids=[repr(c[0]).split("(")[0] + str(i) for i, c in enumerate(CASES)])
+def test_quantlinear_matches_spec_reference_bitwise(recipe, make_ref):
+    # 2 x 40 = 80 tokens: not a multiple of 32 or 128, so wgrad's token padding is exercised.
+    k, n = 256, 128
+    layer = QuantLinear(k, n, bias=True, recipe=recipe, sr_index=3)
+    with torch.no_grad():
+        layer.weight.copy_(spread(n, k) * 0.05)
+    x = spread(2, 40, k).requires_grad_(True)
+    g = spread(2, 40, n)
+    y = layer(x)
+    gen_state = layer.generator(recipe, x.device).get_state() if recipe.uses_generator() else None
+    y.backward(g)
+
+    fprop, dgrad, wgrad = make_ref(recipe)
+    x2, g2, w = x.detach().reshape(-1, k), g.reshape(-1, n), layer.weight.detach()
+    gen = None
+    if gen_state is not None:
+        gen = torch.Generator()
+        gen.set_state(gen_state)
+    assert_bitwise_equal(y.detach(), (fprop(x2, w) + layer.bias.detach()).reshape(2, 40, n), "fprop")
+    assert_bitwise_equal(x.grad, dgrad(g2, w, gen).reshape(2, 40, k), "dgrad")
+    assert_bitwise_equal(layer.weight.grad, wgrad(g2, x2, gen), "wgrad")
+    assert_bitwise_equal(layer.bias.grad, g2.sum(0), "bias grad")
+    # quantization happened: the product is not the high-precision one
+    assert not torch.equal(y.detach(), F.linear(x.detach(), w, layer.bias.detach()))
+
+
+def test_nvfp4_2d_weight_is_one_copy_for_fprop_and_dgrad():
+    w = spread(64, 96)
+    for block_2d, same in ((True, True), (False, False)):
+        r = NVFP4Recipe(weight_2d=block_2d)
+        rowwise, _ = r.quantize_rows(w, role="weight", gemm="fprop")
+        colwise, _ = r.quantize_rows(w.t(), role="weight", gemm="dgrad")
+        assert torch.equal(rowwise, colwise.t()) == same
+
+
+def test_columnwise_copies_are_quantized_from_the_high_precision_tensor():
+    # Requantizing the rowwise copy along the other axis gives different values: the recipe must not.
+    x = spread(64, 64)
+    r = MXFP8Recipe()
+    row, _ = r.quantize_rows(x, role="input", gemm="fprop")
+    col, _ = r.quantize_rows(x.t(), role="input", gemm="wgrad")
+    twice, _ = r.quantize_rows(row.t(), role="input", gemm="wgrad")
+    data, s = S.quantize_mxfp8(x, axis=0)
+    assert_bitwise_equal(col.t().contiguous(), S.dequantize_mxfp8(data, s, axis=0).contiguous(), "columnwise")
+    assert not torch.equal(col, twice)
+
+
+@pytest.mark.parametrize("make", [MXFP8Recipe, NVFP4Recipe, MXFP4Recipe])
+def test_bfloat16_gemm_close_to_float32_gemm(make):
+    x, w = spread(32, 128), spread(64, 128)
+    r32, r16 = make(), make(gemm_dtype="bfloat16")
+    y32 = r32.gemm_nt(x, w, gemm="fprop")
+    y16 = r16.gemm_nt(x, w, gemm="fprop")
+    # operands are exact in bfloat16 (tensor scales factored out): only the bfloat16 output (and the
+    # CPU kernel's accumulation) differ, a few bfloat16 ulps of the largest output
+    err = (y16 - y32).abs().max() / y32.abs().max()
+    assert float(err) <= 2.0 ** -7, float(err)
+
+
+def test_nvfp4_split_tensor_scale_matches_dequantized():
+    t = spread(16, 64)
+    r = NVFP4Recipe()
+    full, none = r.quantize_rows(t, role="input", gemm="fprop")
+    vals, gs = r.quantize_rows(t, role="input", gemm="fprop", split_tensor_scale=True)
+    assert none is None and gs.dtype == torch.float32 and gs.dim() == 0
+    torch.testing.assert_close(vals * gs, full, rtol=2.0 ** -22, atol=0)
+    assert torch.equal(vals.to(torch.bfloat16).to(torch.float32), vals)  # exact in bfloat16
+
+
+# ------------------------------------------------------------------------------------------------
+# random Hadamard transform
+# ------------------------------------------------------------------------------------------------
+
+
+def test_rht_is_orthogonal_fixed_and_cancels_in_the_product():
+    from moe_fp4.recipes import hadamard_matrix, random_hadamard_matrix
+
+    h = hadamard_matrix(16)
+    assert torch.equal(h @ h.t(), 16 * torch.eye(16))
+    q = random_hadamard_matrix(dtype=torch.float64)
+    assert torch.equal(q.abs(), torch.full((16, 16), 0.25, dtype=torch.float64))
+    torch.testing.assert_close(q @ q.t(), torch.eye(16, dtype=torch.float64), rtol=0, atol=1e-15)
+    assert not torch.equal(q, h.to(torch.float64) / 4)  # the signs are random, not all +1
+    a, b = torch.randn(24, 64, dtype=torch.float64), torch.randn(40, 64, dtype=torch.float64)
+    ta, tb = apply_rht(a), apply_rht(b)
+    assert not torch.allclose(ta, a)
+    torch.testing.assert_close(ta @ tb.t(), a @ b.t(), rtol=1e-12, atol=1e-12)
+    assert torch.equal(apply_rht(a), ta)  # one fixed seed: the same transform every call
+    torch.testing.assert_close(ta.norm(dim=-1), a.norm(dim=-1), rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="x"):
+        apply_rht(torch.randn(4, 20))
+
+
+def test_rht_spreads_a_block_outlier():
+    x = torch.zeros(1, 16)
+    x[0, 5] = 8.0
+    y = apply_rht(x)
+    assert torch.equal(y.abs(), torch.full((1, 16), 2.0))
+
+
+# ------------------------------------------------------------------------------------------------
+# stochastic rounding of gradients
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [NVFP4Recipe, MXFP4Recipe])
+def test_gradient_stochastic_rounding_is_unbiased(make):
+    """T identical rows quantized at once are T independent draws per element. A stochastic
+    rounding between neighbours lo < x < hi has variance <= (hi - lo)^2 / 4, and E2M1's gap is at
+    most 2 scale units, so the mean of T draws lies within z * unit / sqrt(T) of x (z = 6)."""
+    t_rows, z = 4096, 6.0
+    r = make()
+    row = torch.randn(1, 64)
+    row[0, ::16] = 3.0 * row.abs().max()  # pin every block's maximum: all other elements stay below 6 units
+    g = row.repeat(t_rows, 1)
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    draws, _ = r.quantize_rows(g, role="grad", gemm="dgrad", generator=gen)
+    nearest, _ = r.quantize_rows(g, role="input", gemm="fprop")
+    if make is NVFP4Recipe:
+        _, scales, gs = S.quantize_nvfp4(row)
+        unit = (S.decode_elements(scales.view(torch.uint8), S.E4M3) * gs).repeat_interleave(16, -1)
+    else:
+        _, scales = S.quantize_mxfp4(row)
+        unit = S.decode_ue8m0(scales).repeat_interleave(32, -1)
+    inner = torch.ones(64, dtype=torch.bool)
+    inner[::16] = False  # the pinned maxima sit at the saturation edge
+    tol = z * unit[0] / t_rows ** 0.5
+    dev = (draws.mean(0) - row[0]).abs()
+    assert bool((dev[inner] <= tol[inner]).all()), float((dev / tol)[inner].max())
+    # the draws take more than one value, and round-to-nearest fails the same test (it is biased)
+    assert bool((draws.std(0)[inner] > 0).any())
+    assert bool(((nearest.mean(0) - row[0]).abs()[inner] > tol[inner]).any())
+
+
+def test_stochastic_rounding_is_reproducible_from_the_layer_seed():
+    r = NVFP4Recipe(seed=7)
+    grads = []
+    for _ in range(2):
+        layer = QuantLinear(64, 32, bias=False, recipe=r, sr_index=1)
+        with torch.no_grad():
+            layer.weight.copy_(torch.linspace(-1, 1, 64 * 32).reshape(32, 64))
+        x = torch.linspace(-2, 2, 48 * 64).reshape(48, 64).requires_grad_(True)
+        layer(x).pow(2).sum().backward()
+        grads.append((x.grad, layer.weight.grad))
+    assert_bitwise_equal(grads[0][0], grads[1][0], "dgrad")
+    assert_bitwise_equal(grads[0][1], grads[1][1], "wgrad")
+    other = QuantLinear(64, 32, bias=False, recipe=r, sr_index=2)  # another layer: other random bits
+    with torch.no_grad():
+        other.weight.copy_(torch.linspace(-1, 1, 64 * 32).reshape(32, 64))
+    x = torch.linspace(-2, 2, 48 * 64).reshape(48, 64).requires_grad_(True)
+    other(x).pow(2).sum().backward()
+    assert not torch.equal(x.grad, grads[0][0])
+
+
+# ------------------------------------------------------------------------------------------------
+# models: convert_linears, kept BF16 layers, autocast, gradient flow
+# ------------------------------------------------------------------------------------------------
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.proj = torch.nn.Linear(d, d)
+        self.fc1 = torch.nn.Linear(d, 2 * d)
+        self.fc2 = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.qkv(h).chunk(3, dim=-1)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a)
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab=64, d=128, layers=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d)
+        self.lm_head = torch.nn.Linear(d, vocab)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.lm_head(self.norm(x))
+
+
+def test_convert_linears_keeps_last_blocks_and_head_untouched_and_gradients_flow():
+    torch.manual_seed(torch.seed() % 2**31)
+    model = TinyLM()
+    reference = TinyLM()
+    reference.load_state_dict(model.state_dict())
+    kept_before = {n: m for n, m in model.named_modules() if n.startswith("blocks.2.") or n == "lm_head"}
+    params_before = {n: p for n, p in model.named_parameters()}
+    report = convert_linears(model, NVFP4Recipe())  # default: the last block stays BF16
+    assert report.kept_bf16 == ["blocks.2.qkv", "blocks.2.proj", "blocks.2.fc1", "blocks.2.fc2"]
+    assert report.high_precision == ["lm_head"]
+    assert len(report.quantized) == 8 and not report.incompatible
+    for n, m in model.named_modules():
+        if n in kept_before:
+            assert m is kept_before[n] and type(m) is type(kept_before[n])
+        elif n.startswith(("blocks.0.", "blocks.1.")) and n.rsplit(".", 1)[-1] in ("qkv", "proj", "fc1", "fc2"):
+            assert isinstance(m, QuantLinear)
+    for n, p in model.named_parameters():
+        assert p is params_before[n]  # Parameters shared: an existing optimizer keeps working
+
+    tokens = torch.randint(0, 64, (2, 32))
+    h = torch.randn(2, 32, 128)
+    for name in ("blocks.2.qkv", "blocks.2.fc2", "lm_head"):
+        kept, ref = model.get_submodule(name), reference.get_submodule(name)
+        hin = h if ref.in_features == 128 else torch.randn(2, 32, ref.in_features)
+        assert_bitwise_equal(kept(hin), ref(hin), name)
+    logits = model(tokens)
+    assert not torch.equal(logits, reference(tokens))
+    F.cross_entropy(logits.reshape(-1, 64), tokens.reshape(-1)).backward()
+    for n, p in model.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), n
+        assert bool(p.grad.abs().sum() > 0), n
+
+
+def test_convert_linears_keep_patterns_and_counts():
+    model = TinyLM()
+    rep = convert_linears(model, MXFP8Recipe(), keep_bf16=["blocks.0", "*.fc2"])
+    assert set(rep.kept_bf16) == {"blocks.0.qkv", "blocks.0.proj", "blocks.0.fc1", "blocks.0.fc2",
+                                  "blocks.1.fc2", "blocks.2.fc2"}
+    model2 = TinyLM()
+    rep2 = convert_linears(model2, MXFP8Recipe(), keep_bf16=2)
+    assert len(rep2.quantized) == 4 and len(rep2.kept_bf16) == 8
+    rep3 = convert_linears(TinyLM(), MXFP8Recipe(), keep_bf16=0)
+    assert len(rep3.quantized) == 12
+    rep4 = convert_linears(TinyLM(d=48), FP8BlockwiseRecipe())  # 48 is not a multiple of 128
+    assert len(rep4.incompatible) == 12 and not rep4.quantized
+    with pytest.raises(ValueError, match="keep_bf16"):
+        convert_linears(TinyLM(), MXFP8Recipe(), keep_bf16=-1)
+    with pytest.raises(ValueError, match="recipe"):
+        convert_linears(TinyLM(), "mxfp8")
+
+
+def test_autocast_selects_the_recipe_and_can_disable_it():
+    layer = QuantLinear(64, 64, recipe=None)
+    x = spread(32, 64)
+    plain = F.linear(x, layer.weight, layer.bias)
+    assert_bitwise_equal(layer(x), plain, "no recipe: high precision")
+    fprop, _, _ = ref_mxfp8(MXFP8Recipe())
+    with moe_fp4.autocast(MXFP8Recipe()):
+        assert_bitwise_equal(layer(x), fprop(x, layer.weight.detach()) + layer.bias.detach(), "autocast recipe")
+        with autocast(enabled=False):
+            assert_bitwise_equal(layer(x), plain, "nested autocast(enabled=False)")
+    layer.recipe = NVFP4Recipe()
+    with autocast(None):
+        assert_bitwise_equal(layer(x), plain, "autocast(None)")
+    assert not torch.equal(layer(x), plain)
+    with pytest.raises(ValueError, match="recipe"):
+        with autocast("nvfp4"):
+            pass
+
+
+def test_bf16_forward_switch_keeps_backward_quantized():
+    r = MXFP8Recipe()
+    model = TinyLM(layers=2)
+    convert_linears(model, r, keep_bf16=0)
+    assert set_recipe(model, dataclasses.replace(r, bf16_forward=True)) == 8
+    layer = model.blocks[0].fc1
+    x = spread(16, 128).requires_grad_(True)
+    y = layer(x)
+    expect = torch.matmul(x.detach().to(torch.bfloat16), layer.weight.detach().t().to(torch.bfloat16)).float()
+    assert_bitwise_equal(y.detach(), expect + layer.bias.detach(), "bf16 forward")
+    g = spread(16, 256)
+    y.backward(g)
+    _, dgrad, _ = ref_mxfp8(r)
+    assert_bitwise_equal(x.grad, dgrad(g, layer.weight.detach(), None), "dgrad stays MXFP8")
+
+
+def test_autocast_dtype_is_honoured():
+    layer = QuantLinear(64, 32, recipe=MXFP8Recipe(gemm_dtype="bfloat16"))
+    x = spread(16, 64).requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.weight.grad.dtype == torch.float32
+
+
+# ------------------------------------------------------------------------------------------------
+# argument checks
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make,field,value", [
+    (MXFP8Recipe, "scale_rounding", "ceil"),
+    (MXFP8Recipe, "fmt", "e3m4"),
+    (MXFP8Recipe, "grad_fmt", "e2m1"),
+    (MXFP8Recipe, "gemm_dtype", "float16"),
+    (NVFP4Recipe, "weight_2d", 1),
+    (NVFP4Recipe, "wgrad_rht", "yes"),
+    (NVFP4Recipe, "stochastic_rounding", None),
+    (NVFP4Recipe, "bf16_last_blocks", -1),
+    (NVFP4Recipe, "bf16_forward", 0),
+    (MXFP4Recipe, "scale_rounding", "nearest"),
+    (MXFP4Recipe, "seed", 1.5),
+    (FP8BlockwiseRecipe, "backend", "cutlass"),
+])
+def test_bad_recipe_field_raises_naming_it(make, field, value):
+    with pytest.raises(ValueError, match=rf"{make.__name__}\.{field}"):
+        make(**{field: value})
+
+
+def test_quantlinear_bad_shapes_raise():
+    with pytest.raises(ValueError, match="in_features"):
+        QuantLinear(48, 32, recipe=MXFP8Recipe())(torch.randn(4, 48))
+    with pytest.raises(ValueError, match="out_features"):
+        QuantLinear(128, 64, recipe=FP8BlockwiseRecipe())(torch.randn(4, 128))
+    with pytest.raises(ValueError, match="x"):
+        QuantLinear(64, 64, recipe=MXFP8Recipe())(torch.randn(4, 32))
+    with pytest.raises(ValueError, match="recipe"):
+        QuantLinear(64, 64, recipe="nvfp4")
+    with pytest.raises(ValueError, match="backend"):
+        FP8BlockwiseRecipe(backend="scaled_mm").gemm_nt(torch.randn(4, 128), torch.randn(128, 128), gemm="fprop")
+
+
+def test_recipe_defaults_are_the_published_ones():
+    m = MXFP8Recipe()
+    assert (m.fmt, m.grad_fmt, m.scale_rounding, m.block) == ("e4m3", "e4m3", "up", 32)
+    n = NVFP4Recipe()
+    assert (n.weight_2d, n.wgrad_rht, n.stochastic_rounding, n.bf16_last_blocks, n.block) == (True, True, True, 1, 16)
+    f = FP8BlockwiseRecipe()
+    assert f.block == 128 and f.operand_block("weight") == (128, 128) and f.operand_block("grad") == (1, 128)
+    assert moe_fp4.autocast is autocast
