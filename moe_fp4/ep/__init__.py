@@ -1,0 +1,31 @@
+"""Expert-parallel dispatch and combine with byte-row payloads.
+
+  layout     dispatch_layout: tokens per rank / per expert, is_token_in_rank, the send order
+  payloads   wire formats as opaque byte rows: bf16, fp8 (E4M3 + FP32 per 128), mxfp4, nvfp4
+  backends   all_to_all_single over a process group (NCCL on CUDA, gloo on CPU), or one process
+  buffer     Buffer.dispatch / Buffer.combine with a reusable handle
+  autograd   dispatch_with_grad / combine_with_grad (BF16 or FP8 gradients)
+  bench      `python -m moe_fp4 bench dispatch`
+  testing    a pool of gloo/NCCL worker processes for multi-rank tests
+"""
+
+from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad
+from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, TorchDistributedBackend, make_backend
+from moe_fp4.ep.buffer import Buffer, DispatchHandle, DispatchOutput
+from moe_fp4.ep.layout import DispatchLayout, dispatch_layout, send_order
+from moe_fp4.ep.payloads import (
+    PAYLOADS,
+    BF16Payload,
+    FP8Payload,
+    MXFP4Payload,
+    NVFP4Payload,
+    PayloadCodec,
+    get_payload,
+)
+
+__all__ = [
+    "AllToAllBackend", "BF16Payload", "Buffer", "DispatchHandle", "DispatchLayout", "DispatchOutput",
+    "FP8Payload", "LocalBackend", "MXFP4Payload", "NVFP4Payload", "PAYLOADS", "PayloadCodec",
+    "TorchDistributedBackend", "combine_with_grad", "dispatch_layout", "dispatch_with_grad", "get_payload",
+    "make_backend", "send_order",
+]

@@ -1,0 +1,101 @@
+"""Autograd for dispatch and combine: each one's backward is the other applied to the gradients.
+
+dispatch_with_grad: the backward of a dispatch is an unweighted combine of the row gradients
+  (each token's gradient is the sum over its rows); combine_with_grad: the backward of a combine is
+  a cached dispatch of the output gradient, multiplied by each row's top-k weight, plus the
+  gradient of the weights (the dot product of the output gradient and each expert output row, sent
+  back to the token's rank). Gradients travel as ``backward_payload``: "bf16" (default) or "fp8";
+  MXFP4 only when asked for explicitly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp4.ep.buffer import Buffer, DispatchHandle, DispatchOutput
+from moe_fp4.ep.payloads import get_payload
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink):
+        out = buffer.dispatch(x.detach(), topk_idx, topk_weights, handle=handle, payload=payload)
+        sink.append(out)
+        ctx.buffer, ctx.handle, ctx.backward_payload, ctx.x_dtype = buffer, out.handle, backward_payload, x.dtype
+        return out.values(dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = ctx.buffer.combine(grad.contiguous(), ctx.handle, weighted=False, payload=ctx.backward_payload)
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None
+
+
+def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                       topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
+                       payload=None, backward_payload="bf16",
+                       dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, DispatchOutput]:
+    """Differentiable dispatch.
+
+    x: float [T, H] (requires grad); topk_idx int64 [T, k]; topk_weights float [T, k] or None (carried
+    to the experts' ranks for combine; dispatch itself does not differentiate them).
+    Returns (values ``dtype`` [N, H]: the received rows decoded, grouped by local expert; the
+    DispatchOutput with the rows, splits and handle). The gradient of values flows back to x
+    through a combine with ``backward_payload``."""
+    get_payload(backward_payload)
+    sink: list[DispatchOutput] = []
+    values = _Dispatch.apply(x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink)
+    return values, sink[0]
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, topk_weights, buffer, handle, weighted, payload, backward_payload):
+        out = buffer.combine(y.detach(), handle, weighted=weighted, payload=payload)
+        ctx.save_for_backward(y)
+        ctx.buffer, ctx.handle, ctx.weighted, ctx.backward_payload = buffer, handle, weighted, backward_payload
+        ctx.w_dtype = topk_weights.dtype if topk_weights is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (y,) = ctx.saved_tensors
+        buffer, handle = ctx.buffer, ctx.handle
+        codec = get_payload(ctx.backward_payload)
+        got = buffer.dispatch(grad.contiguous(), handle=handle, payload=codec)
+        g = codec.decode(got.rows, grad.shape[1])  # float32 [N, H]
+        grad_y = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gy = g * handle.row_weights.unsqueeze(1) if ctx.weighted else g
+            grad_y = gy.to(y.dtype)
+        if ctx.weighted and ctx.needs_input_grad[1]:
+            dots = (g * y.detach().to(torch.float32)).sum(dim=1)  # d out_t / d w_tj = <grad_t, y_tj>
+            k = handle.num_topk
+            per_slot = torch.zeros(handle.num_recv_tokens * k, dtype=torch.float32, device=g.device)
+            per_slot.scatter_(0, handle.expand_row * k + handle.expand_slot, dots)
+            per_slot = per_slot.reshape(-1, k)
+            back = torch.empty(sum(handle.send_counts), k, dtype=torch.float32, device=g.device)
+            buffer.backend.all_to_all(back.view(torch.uint8), per_slot.view(torch.uint8),
+                                      handle.send_counts, handle.recv_counts)
+            gw = torch.zeros(handle.num_tokens, k, dtype=torch.float32, device=g.device)
+            gw.index_add_(0, handle.send_token, back)  # each (t, j) is nonzero on one rank only
+            grad_w = gw.to(ctx.w_dtype)
+        return grad_y, grad_w, None, None, None, None, None
+
+
+def combine_with_grad(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle,
+                      topk_weights: torch.Tensor | None = None, *, weighted: bool = True, payload="bf16",
+                      backward_payload="bf16") -> torch.Tensor:
+    """Differentiable combine: bfloat16 [T, H].
+
+    y: float [N, H] expert outputs in the dispatch output order (requires grad);
+    topk_weights: float [T, k], the same tensor given to dispatch (its values were sent with the
+      tokens; passing it here lets the weights receive their gradient); None: no weight gradient.
+    The forward is ``Buffer.combine`` (weights applied when ``weighted``)."""
+    get_payload(backward_payload)
+    if topk_weights is not None and tuple(topk_weights.shape) != (handle.num_tokens, handle.num_topk):
+        raise ValueError(f"topk_weights: expected shape {(handle.num_tokens, handle.num_topk)} (the dispatched "
+                         f"weights), got {tuple(topk_weights.shape)}")
+    return _Combine.apply(y, topk_weights, buffer, handle, weighted, payload, backward_payload)
+
+
+__all__ = ["dispatch_with_grad", "combine_with_grad"]

@@ -1,0 +1,89 @@
+"""All-to-all backends: move uint8 rows between ranks.
+
+``TorchDistributedBackend`` wraps ``torch.distributed.all_to_all_single`` (input/output split sizes
+in rows); its device follows the process group: NCCL carries CUDA tensors, gloo CPU tensors.
+``LocalBackend`` is the world of one process (no process group), where an all-to-all is a copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import torch.distributed as dist
+except Exception:  # torch built without distributed support
+    dist = None
+
+
+class AllToAllBackend:
+    """Interface: ``rank``, ``world_size``, ``device`` and ``all_to_all``."""
+
+    name = "backend"
+    rank = 0
+    world_size = 1
+    device = torch.device("cpu")
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
+                   in_splits: list[int] | None) -> None:
+        """out [sum(out_splits), ...] <- inp [sum(in_splits), ...]: rank r's block of inp goes to
+        rank r, and block s of out comes from rank s. None splits mean equal blocks."""
+        raise NotImplementedError
+
+
+class LocalBackend(AllToAllBackend):
+    """A single process: rank 0 of a world of one. all_to_all copies."""
+
+    name = "local"
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+
+    def all_to_all(self, out, inp, out_splits, in_splits):
+        if out.shape != inp.shape:
+            raise ValueError(f"out: expected shape {tuple(inp.shape)}, got {tuple(out.shape)}")
+        out.copy_(inp)
+
+
+class TorchDistributedBackend(AllToAllBackend):
+    """``all_to_all_single`` over a torch.distributed process group.
+
+    group: the process group (None: the default group); device: where the tensors must live
+    (default: the current CUDA device for NCCL, CPU for gloo and others)."""
+
+    def __init__(self, group=None, device: torch.device | str | None = None):
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group: torch.distributed is not initialised; call init_process_group or use "
+                             "LocalBackend")
+        self.group = group
+        self.name = str(dist.get_backend(group))
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if device is None:
+            device = (torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl"
+                      else torch.device("cpu"))
+        self.device = torch.device(device)
+
+    def all_to_all(self, out, inp, out_splits, in_splits):
+        dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                               group=self.group)
+
+
+def make_backend(group=None, backend=None) -> AllToAllBackend:
+    """The backend for ``group``: an AllToAllBackend given as ``backend`` wins; the strings "nccl"/
+    "gloo" check the group's backend; None follows the group (a LocalBackend when torch.distributed
+    is not initialised and no group is given)."""
+    if isinstance(backend, AllToAllBackend):
+        return backend
+    if backend not in (None, "nccl", "gloo", "local"):
+        raise ValueError(f"backend: expected None, 'nccl', 'gloo', 'local' or an AllToAllBackend, got {backend!r}")
+    if backend == "local" or (group is None and (dist is None or not dist.is_initialized())):
+        if backend not in (None, "local"):
+            raise ValueError(f"backend: {backend!r} needs an initialised torch.distributed process group")
+        return LocalBackend()
+    b = TorchDistributedBackend(group)
+    if backend is not None and b.name != backend:
+        raise ValueError(f"backend: asked for {backend!r} but the process group uses {b.name!r}")
+    return b
+
+
+__all__ = ["AllToAllBackend", "LocalBackend", "TorchDistributedBackend", "make_backend"]

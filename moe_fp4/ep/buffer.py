@@ -1,0 +1,408 @@
+"""Buffer: expert-parallel dispatch and combine over an all-to-all of opaque byte rows.
+
+Dispatch (one rank's view; T tokens of hidden size H, top-k routing, W ranks, L = E / W experts per
+rank):
+  1. layout on the device (``dispatch_layout``): tokens per rank and per expert, slots per rank;
+  2. a small all-to-all of those counts (plus each rank's hidden/k/E/W/payload and an error flag,
+     so that bad input on any rank raises ValueError on every rank instead of hanging the others);
+  3. the one host synchronisation: the counts become Python ints (split sizes);
+  4. an all-to-all of per-token metadata (local expert ids, top-k weights), then one of the payload
+     rows (each token once per destination rank);
+  5. the receiver expands each token to one row per (token, slot) whose expert is local, grouped
+     by local expert (stable: by source rank, then source token order, then slot): ragged segments
+     ``split_lens`` / ``split_offsets`` with no padding, optionally converted to FP8 1x128.
+A dispatch given a ``handle`` reuses its layout: no count or metadata exchange, no host sync.
+
+Combine (no host synchronisation; the handle holds the split sizes) returns BF16 [T, H]. It APPLIES
+the top-k weights by default (``weighted=True``; pass ``weighted=False`` when the caller has already
+weighted the expert outputs). Its arithmetic, which the tests reproduce bit for bit:
+  on the expert rank: p_t = sum over the token's local slots j, ascending, of fp32(y_tj) * w_tj
+     (float32, starting from +0); p_t travels in the combine payload (BF16 by default);
+  on the token's rank: out_t = bf16(sum over ranks r, ascending, of decode(p_t from r)) (float32,
+     starting from +0); a token with no expert gets zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moe_fp4.ep.backends import AllToAllBackend, make_backend
+from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order
+from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, get_payload
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_TOPK = 128  # slot-count columns in the layout exchange
+_SIGNATURE = ("hidden", "num_topk", "num_experts", "world_size", "payload")
+
+
+@dataclass
+class DispatchHandle:
+    """What a cached dispatch and a combine need (tensors on the backend's device).
+
+    send_counts / recv_counts: rows sent to / received from each rank (host ints);
+    send_token: int64 [n_send], the token of each sent row (grouped by destination rank);
+    recv_topk_idx: int64 [n_recv, k], local expert ids of each received token, -1 elsewhere;
+    recv_topk_weights: float32 [n_recv, k] or None;
+    expand_row / expand_slot: int64 [N], the received token and slot of each output row;
+    row_weights: float32 [N] or None, the weight of each output row;
+    tokens_per_expert: host ints [L]; split_lens / split_offsets: int64 [L] on the device;
+    slot_counts: host ints [k]; slot_row / slot_out / slot_weights: [N], the output rows ordered by
+    (slot, received token), used by combine's deterministic accumulation."""
+
+    rank: int
+    world_size: int
+    num_experts: int
+    hidden: int
+    num_topk: int
+    num_tokens: int
+    send_counts: list[int]
+    recv_counts: list[int]
+    send_token: torch.Tensor
+    recv_topk_idx: torch.Tensor
+    recv_topk_weights: torch.Tensor | None
+    expand_row: torch.Tensor
+    expand_slot: torch.Tensor
+    row_weights: torch.Tensor | None
+    tokens_per_expert: list[int]
+    split_lens: torch.Tensor
+    split_offsets: torch.Tensor
+    slot_counts: list[int]
+    slot_row: torch.Tensor
+    slot_out: torch.Tensor
+    slot_weights: torch.Tensor | None
+
+    @property
+    def num_recv_tokens(self) -> int:
+        return sum(self.recv_counts)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the dispatch output (and of combine's input)."""
+        return sum(self.tokens_per_expert)
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_experts // self.world_size
+
+
+@dataclass
+class DispatchOutput:
+    """The receiver's side of a dispatch.
+
+    rows: uint8 [N, payload.row_bytes(H)], one per (token, local slot), grouped by local expert;
+    split_lens / split_offsets: int64 [L], expert e's rows are [off_e, off_e + len_e);
+    tokens_per_expert: host ints [L] (the same lengths);
+    recv_topk_idx: int64 [n_recv, k] local expert ids per received token (-1: not on this rank);
+    recv_topk_weights: float32 [n_recv, k] or None;
+    fp8: (float8_e4m3fn [N, H], float32 [N, H/128]) when asked for, else None;
+    handle: for combine and for cached dispatches."""
+
+    rows: torch.Tensor
+    payload: PayloadCodec
+    hidden: int
+    handle: DispatchHandle
+    fp8: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
+
+    @property
+    def split_lens(self) -> torch.Tensor:
+        return self.handle.split_lens
+
+    @property
+    def split_offsets(self) -> torch.Tensor:
+        return self.handle.split_offsets
+
+    @property
+    def tokens_per_expert(self) -> list[int]:
+        return self.handle.tokens_per_expert
+
+    @property
+    def recv_topk_idx(self) -> torch.Tensor:
+        return self.handle.recv_topk_idx
+
+    @property
+    def recv_topk_weights(self) -> torch.Tensor | None:
+        return self.handle.recv_topk_weights
+
+    @property
+    def row_weights(self) -> torch.Tensor | None:
+        return self.handle.row_weights
+
+    def values(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        """The received rows decoded: ``dtype`` [N, H]."""
+        return self.payload.decode(self.rows, self.hidden, dtype=dtype)
+
+    def to_fp8_blockwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn [N, H], float32 [N, H/128]), the FP8 1x128 operand of the expert GEMMs."""
+        if self.fp8 is None:
+            self.fp8 = self.payload.to_fp8_blockwise(self.rows, self.hidden, self.split_lens, self.split_offsets)
+        return self.fp8
+
+
+def _describe(t) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+    return type(t).__name__
+
+
+class Buffer:
+    """Expert-parallel dispatch/combine for one process group.
+
+    num_experts: experts in all, split evenly and contiguously over the ranks;
+    group: a torch.distributed process group (None: the default group, or a world of one when
+      torch.distributed is not initialised);
+    payload: the default dispatch payload ("bf16", "fp8", "mxfp4", "nvfp4" or a PayloadCodec);
+    backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
+      (checked against the group), or an AllToAllBackend."""
+
+    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None):
+        self.backend: AllToAllBackend = make_backend(group, backend)
+        self.world_size = self.backend.world_size
+        self.rank = self.backend.rank
+        self.experts_per_rank = check_experts(num_experts, self.world_size)
+        self.num_experts = num_experts
+        self.payload = get_payload(payload)
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    def get_dispatch_layout(self, topk_idx: torch.Tensor) -> DispatchLayout:
+        """Tokens per rank, per expert, is_token_in_rank for topk_idx int64 [T, k] (no host sync)."""
+        self._check_device(topk_idx, "topk_idx")
+        return dispatch_layout(topk_idx, self.num_experts, self.world_size)
+
+    # -------------------------------------------------------------------------------------------
+    # checks
+    # -------------------------------------------------------------------------------------------
+
+    def _check_device(self, t: torch.Tensor, name: str) -> None:
+        if t.device != self.device:
+            raise ValueError(f"{name}: expected a tensor on {self.device} (the {self.backend.name} backend's "
+                             f"device), got {t.device}")
+
+    def _check_x(self, x, codec: PayloadCodec, name: str = "x") -> None:
+        if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() != 2:
+            raise ValueError(f"{name}: expected a float32/bfloat16/float16 tensor [T, H], got {_describe(x)}")
+        self._check_device(x, name)
+        codec.check_hidden(x.shape[1], name)
+
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, DispatchHandle):
+            raise ValueError(f"handle: expected a DispatchHandle from Buffer.dispatch, got {type(handle).__name__}")
+        if handle.world_size != self.world_size or handle.num_experts != self.num_experts:
+            raise ValueError(f"handle: made for world size {handle.world_size} and {handle.num_experts} experts, "
+                             f"this buffer has world size {self.world_size} and {self.num_experts} experts")
+        if handle.send_token.device != self.device:
+            raise ValueError(f"handle: its tensors are on {handle.send_token.device}, expected {self.device}")
+
+    def _check_routing(self, x, topk_idx, topk_weights) -> None:
+        check_topk_idx(topk_idx)
+        if topk_idx.shape[1] > MAX_TOPK:
+            raise ValueError(f"topk_idx: at most {MAX_TOPK} experts per token, got k={topk_idx.shape[1]}")
+        self._check_device(topk_idx, "topk_idx")
+        if topk_idx.shape[0] != x.shape[0]:
+            raise ValueError(f"topk_idx: expected {x.shape[0]} rows (one per token of x), got {topk_idx.shape[0]}")
+        if topk_weights is not None:
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype not in _FLOAT_DTYPES:
+                raise ValueError(f"topk_weights: expected a float tensor [T, k], got {_describe(topk_weights)}")
+            if topk_weights.shape != topk_idx.shape:
+                raise ValueError(f"topk_weights: expected shape {tuple(topk_idx.shape)} like topk_idx, "
+                                 f"got {tuple(topk_weights.shape)}")
+            self._check_device(topk_weights, "topk_weights")
+
+    # -------------------------------------------------------------------------------------------
+    # dispatch
+    # -------------------------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
+                 topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
+                 payload=None, return_fp8: bool = False) -> DispatchOutput:
+        """Send each token to the ranks of its experts.
+
+        x: float32/bfloat16/float16 [T, H] on the backend's device, H a multiple of the payload's
+          ``hidden_multiple`` (32; 128 for fp8);
+        topk_idx: int64 [T, k] expert ids in [0, num_experts) or -1 (no expert); not needed with a
+          handle;
+        topk_weights: float [T, k] or None (then combine cannot weight);
+        handle: reuse the layout of an earlier dispatch (same tokens and routing): one all-to-all,
+          no host sync;
+        payload: the wire format for this call (default: the buffer's);
+        return_fp8: also convert the received rows to FP8 1x128 (``DispatchOutput.fp8``).
+        """
+        codec = get_payload(payload) if payload is not None else self.payload
+        if handle is not None:
+            self._check_handle(handle)
+            self._check_x(x, codec)
+            if x.shape[0] != handle.num_tokens:
+                raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {x.shape[0]}")
+        else:
+            handle = self._exchange_layout(x, topk_idx, topk_weights, codec)
+        hidden = x.shape[1]
+        rows = codec.encode(x)
+        send_rows = rows.index_select(0, handle.send_token)
+        recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
+        self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
+        out_rows = recv_rows.index_select(0, handle.expand_row)
+        out = DispatchOutput(rows=out_rows, payload=codec, hidden=hidden, handle=handle)
+        if return_fp8:
+            out.to_fp8_blockwise()
+        return out
+
+    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec) -> DispatchHandle:
+        w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
+        local_error = None
+        try:
+            self._check_x(x, codec)
+            self._check_routing(x, topk_idx, topk_weights)
+        except ValueError as e:
+            local_error = e
+        dev = self.device
+        # One fixed-width row per destination rank: [tokens, L expert counts, signature, invalid ids,
+        # error flag, MAX_TOPK slot counts]. Fixed width so that ranks that disagree (on k, say) still
+        # exchange cleanly and all raise the same ValueError.
+        sig_at = 1 + ell
+        inv_at = sig_at + len(_SIGNATURE)
+        err_at, slot_at = inv_at + 1, inv_at + 2
+        info = torch.zeros(w, slot_at + MAX_TOPK, dtype=torch.int64, device=dev)
+        if local_error is None:
+            k = topk_idx.shape[1]
+            layout = dispatch_layout(topk_idx, n_exp, w)
+            info[:, 0] = layout.num_tokens_per_rank
+            info[:, 1:sig_at] = layout.num_tokens_per_expert.reshape(w, ell)
+            info[:, sig_at:inv_at] = torch.tensor(
+                [x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1)], device=dev)
+            info[:, inv_at] = layout.invalid
+            info[:, slot_at:slot_at + k] = layout.num_slots_per_rank
+        else:
+            info[:, err_at] = 1
+        recv_info = torch.empty_like(info)
+        self.backend.all_to_all(recv_info, info, None, None)
+        host = torch.cat((info[:, 0], recv_info.reshape(-1))).tolist()  # the one host sync
+        width = info.shape[1]
+        send_counts = host[:w]
+        peers = [host[w + s * width: w + (s + 1) * width] for s in range(w)]
+        if local_error is not None:
+            raise local_error
+        bad = [s for s, p in enumerate(peers) if p[err_at]]
+        if bad:
+            raise ValueError(f"dispatch: rank(s) {bad} rejected their inputs (see the error raised there); "
+                             "the dispatch was abandoned on every rank")
+        mine = dict(zip(_SIGNATURE, (x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1))))
+        for s, p in enumerate(peers):
+            theirs = dict(zip(_SIGNATURE, p[sig_at:inv_at]))
+            diff = {key: (mine[key], theirs[key]) for key in _SIGNATURE if mine[key] != theirs[key]}
+            if diff:
+                what = ", ".join(f"{key} {a} here vs {b} on rank {s}" for key, (a, b) in diff.items())
+                raise ValueError(f"dispatch: ranks disagree: {what}")
+        invalid = [(s, p[inv_at]) for s, p in enumerate(peers)]
+        if any(n for _, n in invalid):
+            where = ", ".join(f"rank {s}: {n}" for s, n in invalid if n)
+            raise ValueError(f"topk_idx: expected expert ids in [-1, {n_exp}), got ids out of range ({where})")
+        recv_counts = [p[0] for p in peers]
+        tokens_per_expert = [sum(p[1 + e] for p in peers) for e in range(ell)]
+        slot_counts = [sum(p[slot_at + j] for p in peers) for j in range(k)]
+        split_lens = recv_info[:, 1:sig_at].sum(0)
+        return self._build_handle(x, topk_idx, topk_weights, layout, send_counts, recv_counts,
+                                  tokens_per_expert, slot_counts, split_lens)
+
+    def _build_handle(self, x, topk_idx, topk_weights, layout, send_counts, recv_counts, tokens_per_expert,
+                      slot_counts, split_lens) -> DispatchHandle:
+        dev, ell = self.device, self.experts_per_rank
+        t, k = topk_idx.shape
+        n_send, n_recv, n_rows = sum(send_counts), sum(recv_counts), sum(tokens_per_expert)
+        send_token, send_rank = send_order(layout, n_send)
+        # metadata rows: the local expert ids (int32) and weights (float32) of each sent token
+        ids = topk_idx.to(torch.int64).index_select(0, send_token)
+        owner = layout.dest_rank.index_select(0, send_token) == send_rank.unsqueeze(1)
+        local_ids = torch.where(owner, ids - send_rank.unsqueeze(1) * ell, torch.full_like(ids, -1))
+        if topk_weights is not None:
+            weights = topk_weights.to(torch.float32).index_select(0, send_token)
+        else:
+            weights = torch.zeros(n_send, k, dtype=torch.float32, device=dev)
+        meta = torch.cat((local_ids.to(torch.int32).view(torch.uint8), weights.contiguous().view(torch.uint8)), 1)
+        recv_meta = torch.empty(n_recv, meta.shape[1], dtype=torch.uint8, device=dev)
+        self.backend.all_to_all(recv_meta, meta, recv_counts, send_counts)
+        recv_ids = recv_meta[:, :4 * k].contiguous().view(torch.int32).to(torch.int64)
+        recv_w = recv_meta[:, 4 * k:].contiguous().view(torch.float32) if topk_weights is not None else None
+
+        # expansion: one output row per (received token, local slot), grouped by local expert
+        valid = recv_ids >= 0
+        flat_key = torch.where(valid, recv_ids, torch.full_like(recv_ids, ell)).reshape(-1)
+        order = torch.sort(flat_key, stable=True).indices[:n_rows]
+        expand_row, expand_slot = order // k, order % k
+        pos = torch.zeros(n_recv * k, dtype=torch.int64, device=dev)
+        pos.scatter_(0, order, torch.arange(n_rows, device=dev))
+        # the same rows ordered by (slot, received token): combine adds slot by slot
+        slot_key = torch.arange(k, device=dev).unsqueeze(0) * n_recv + torch.arange(n_recv, device=dev).unsqueeze(1)
+        slot_key = torch.where(valid, slot_key, torch.full_like(slot_key, k * n_recv)).reshape(-1)
+        slot_order = torch.sort(slot_key).indices[:n_rows]
+        return DispatchHandle(
+            rank=self.rank, world_size=self.world_size, num_experts=self.num_experts, hidden=x.shape[1],
+            num_topk=k, num_tokens=t, send_counts=send_counts, recv_counts=recv_counts, send_token=send_token,
+            recv_topk_idx=recv_ids, recv_topk_weights=recv_w, expand_row=expand_row, expand_slot=expand_slot,
+            row_weights=recv_w.reshape(-1)[order] if recv_w is not None else None,
+            tokens_per_expert=tokens_per_expert, split_lens=split_lens,
+            split_offsets=torch.cumsum(split_lens, 0) - split_lens,
+            slot_counts=slot_counts,
+            slot_row=slot_order // k, slot_out=pos[slot_order],
+            slot_weights=recv_w.reshape(-1)[slot_order] if recv_w is not None else None,
+        )
+
+    # -------------------------------------------------------------------------------------------
+    # combine
+    # -------------------------------------------------------------------------------------------
+
+    def combine(self, y: torch.Tensor, handle: DispatchHandle, *, weighted: bool = True,
+                payload="bf16") -> torch.Tensor:
+        """Sum the expert outputs of each token back on the token's rank.
+
+        y: float32/bfloat16/float16 [N, H'] in the order of the dispatch output rows (N =
+          handle.num_rows), H' a multiple of the payload's ``hidden_multiple``;
+        weighted: True multiplies row (t, j) by topk_weights[t, j] (the weights given to dispatch);
+          False sums the rows as they are (the caller weighted them);
+        payload: the wire format of the partial sums ("bf16" by default).
+        Returns bfloat16 [T, H'] (see the module docstring for the exact arithmetic). No host sync.
+        """
+        codec = get_payload(payload)
+        self._check_handle(handle)
+        self._check_x(y, codec, "y")
+        if y.shape[0] != handle.num_rows:
+            raise ValueError(f"y: expected {handle.num_rows} rows (the dispatch output's), got {y.shape[0]}")
+        if weighted and handle.slot_weights is None:
+            raise ValueError("weighted: the dispatch had no topk_weights; pass weighted=False or dispatch weights")
+        partial = self._local_sums(y, handle, weighted)
+        wire = codec.encode(partial)
+        back = torch.empty(sum(handle.send_counts), wire.shape[1], dtype=torch.uint8, device=self.device)
+        self.backend.all_to_all(back, wire, handle.send_counts, handle.recv_counts)
+        return self._rank_sums(codec.decode(back, y.shape[1]), handle).to(torch.bfloat16)
+
+    def _local_sums(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool) -> torch.Tensor:
+        """float32 [n_recv, H]: per received token, the sum over its local slots in slot order."""
+        acc = torch.zeros(handle.num_recv_tokens, y.shape[1], dtype=torch.float32, device=self.device)
+        start = 0
+        for count in handle.slot_counts:
+            if count:
+                sel = slice(start, start + count)
+                contrib = y.index_select(0, handle.slot_out[sel]).to(torch.float32)
+                if weighted:
+                    contrib = contrib * handle.slot_weights[sel].unsqueeze(1)
+                # one slot touches each token at most once: no colliding adds, a fixed order
+                acc.index_add_(0, handle.slot_row[sel], contrib)
+            start += count
+        return acc
+
+    def _rank_sums(self, values: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
+        """values float32 [n_send, H] grouped by rank -> float32 [T, H], ranks added in order."""
+        out = torch.zeros(handle.num_tokens, values.shape[1], dtype=torch.float32, device=self.device)
+        start = 0
+        for count in handle.send_counts:
+            if count:
+                sel = slice(start, start + count)
+                out.index_add_(0, handle.send_token[sel], values[sel])
+            start += count
+        return out
+
+
+__all__ = ["Buffer", "DispatchHandle", "DispatchOutput"]

@@ -1,0 +1,270 @@
+"""Payload codecs: how one token's hidden vector becomes one opaque byte row on the wire.
+
+Every codec turns x [T, H] into uint8 rows [T, row_bytes(H)] (NCCL and gloo cannot carry float8
+dtypes, and a single byte dtype lets every format share one all-to-all). The bytes are those of the
+numeric spec (``moe_fp4.formats``); on CUDA the native ops of ``moe_fp4.ops`` produce the same bytes
+faster where they exist. Row layouts:
+
+  bf16    H bf16 values                                         2H bytes
+  fp8     H E4M3 bytes, then H/128 FP32 power-of-two scales      H + H/32 bytes
+          (1x128 blocks, ``quantize_fp8_blockwise``)
+  mxfp4   H/2 packed E2M1 bytes, then H/32 UE8M0 scale bytes     H/2 + H/32 bytes
+          (``quantize_mxfp4`` + ``pack_mxfp4_rows``)
+  nvfp4   H/2 packed E2M1 bytes, H/16 E4M3 block scales, then    H/2 + H/16 + 4 bytes
+          the sender's FP32 tensor scale (the same in each row of one sender's batch:
+          ``quantize_nvfp4`` of the sender's whole [T, H])
+
+Each codec also decodes rows back to values and converts them to the FP8 1x128 operand of the
+expert GEMMs (``to_fp8_blockwise``): fp8 rows are that operand already, mxfp4 rows go through the
+direct MXFP4 -> FP8 conversion (no BF16 detour), bf16 and nvfp4 rows are quantized from their values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp4 import formats
+
+FP8_GROUP = 128
+
+
+def _ops_fn(name: str, t: torch.Tensor):
+    """The native op ``moe_fp4.ops.<name>`` for CUDA tensors when the package provides it, else None.
+    The ops fall back to the spec themselves; on CPU the spec is called directly."""
+    if not t.is_cuda:
+        return None
+    try:
+        from moe_fp4 import ops
+    except Exception:  # the ops package may be missing or half-built: use the spec
+        return None
+    return getattr(ops, name, None)
+
+
+def _check_rows(rows: torch.Tensor, width: int, hidden: int, name: str = "rows") -> None:
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2:
+        got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"{name}: expected uint8 [N, {width}] rows, got {got}")
+    if rows.shape[1] != width:
+        raise ValueError(f"{name}: expected {width} bytes per row for hidden={hidden}, got {rows.shape[1]}")
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """[N, m] tensor of any dtype -> uint8 [N, m * itemsize] (a view of contiguous data)."""
+    return t.contiguous().view(torch.uint8)
+
+
+class PayloadCodec:
+    """One wire format. Subclasses set ``name`` and ``hidden_multiple`` and implement the methods.
+
+    encode: x float32/bfloat16/float16 [T, H] -> uint8 [T, row_bytes(H)]
+    decode: uint8 [N, row_bytes(H)] -> ``dtype`` [N, H] (the values the rows stand for)
+    to_fp8_blockwise: uint8 [N, row_bytes(H)] -> (float8_e4m3fn [N, H], float32 [N, H/128])
+    """
+
+    name = "codec"
+    hidden_multiple = 32
+
+    def check_hidden(self, hidden: int, name: str = "x") -> None:
+        if hidden <= 0 or hidden % self.hidden_multiple:
+            raise ValueError(f"{name}: hidden size {hidden} must be a positive multiple of "
+                             f"{self.hidden_multiple} for the {self.name} payload")
+
+    def row_bytes(self, hidden: int) -> int:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, rows: torch.Tensor, hidden: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        if rows.shape[0] == 0:
+            return torch.empty(0, hidden, dtype=dtype, device=rows.device)
+        return self._decode(rows, hidden, dtype)
+
+    def _decode(self, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def to_fp8_blockwise(self, rows: torch.Tensor, hidden: int, split_lens: torch.Tensor | None = None,
+                         split_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Default: decode to float32, then the spec's (or native) FP8 1x128 quantization."""
+        if hidden % FP8_GROUP:
+            raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
+        values = self.decode(rows, hidden)
+        return _quantize_fp8(values)
+
+    def empty_rows(self, hidden: int, device) -> torch.Tensor:
+        return torch.empty(0, self.row_bytes(hidden), dtype=torch.uint8, device=device)
+
+    def _check_x(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x: expected a float32/bfloat16/float16 tensor, got {got}")
+        if x.dim() != 2:
+            raise ValueError(f"x: expected 2 dimensions [T, H], got shape {tuple(x.shape)}")
+        self.check_hidden(x.shape[1])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if values.shape[0] == 0:
+        h = values.shape[1]
+        return (torch.empty(0, h, dtype=torch.float8_e4m3fn, device=values.device),
+                torch.empty(0, h // FP8_GROUP, dtype=torch.float32, device=values.device))
+    fn = _ops_fn("quantize_fp8_blockwise", values)
+    if fn is not None:
+        return fn(values)
+    return formats.quantize_fp8_blockwise(values, block=(1, FP8_GROUP))
+
+
+class BF16Payload(PayloadCodec):
+    """BF16 values as bytes (2H per row): the exact payload."""
+
+    name = "bf16"
+
+    def row_bytes(self, hidden: int) -> int:
+        self.check_hidden(hidden, "hidden")
+        return 2 * hidden
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_x(x)
+        return _bytes_of(x.to(torch.bfloat16))
+
+    def _decode(self, rows, hidden, dtype):
+        return rows.contiguous().view(torch.bfloat16).to(dtype)
+
+
+class FP8Payload(PayloadCodec):
+    """E4M3 with one FP32 power-of-two scale per 1x128 block (``quantize_fp8_blockwise``)."""
+
+    name = "fp8"
+    hidden_multiple = FP8_GROUP
+
+    def row_bytes(self, hidden: int) -> int:
+        self.check_hidden(hidden, "hidden")
+        return hidden + 4 * (hidden // FP8_GROUP)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_x(x)
+        data, scales = _quantize_fp8(x)
+        return torch.cat((data.view(torch.uint8), _bytes_of(scales)), dim=1)
+
+    def split(self, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows uint8 [N, H + H/32] -> (float8_e4m3fn [N, H], float32 [N, H/128]), contiguous copies."""
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        data = rows[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+        scales = rows[:, hidden:].contiguous().view(torch.float32)
+        return data, scales
+
+    def _decode(self, rows, hidden, dtype):
+        data, scales = self.split(rows, hidden)
+        return formats.dequantize_fp8_blockwise(data, scales, block=(1, FP8_GROUP), dtype=dtype)
+
+    def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
+        return self.split(rows, hidden)
+
+
+class MXFP4Payload(PayloadCodec):
+    """MXFP4 byte rows: packed E2M1 (H/2 bytes) then UE8M0 scales (H/32 bytes), ``pack_mxfp4_rows``.
+
+    scale_rounding: "up" (the spec's default) or "down" (OCP floor)."""
+
+    name = "mxfp4"
+
+    def __init__(self, scale_rounding: str = "up"):
+        if scale_rounding not in ("up", "down"):
+            raise ValueError(f"scale_rounding: expected 'up' or 'down', got {scale_rounding!r}")
+        self.scale_rounding = scale_rounding
+
+    def row_bytes(self, hidden: int) -> int:
+        self.check_hidden(hidden, "hidden")
+        return formats.mxfp4_row_bytes(hidden)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_x(x)
+        if x.shape[0] == 0:
+            return self.empty_rows(x.shape[1], x.device)
+        fn = _ops_fn("quantize_mxfp4_rows", x)
+        if fn is not None:
+            return fn(x, scale_rounding=self.scale_rounding)
+        packed, scales = formats.quantize_mxfp4(x, scale_rounding=self.scale_rounding)
+        return formats.pack_mxfp4_rows(packed, scales)
+
+    def _decode(self, rows, hidden, dtype):
+        packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
+        return formats.dequantize_mxfp4(packed, scales, dtype=dtype)
+
+    def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        if hidden % FP8_GROUP:
+            raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
+        if rows.shape[0] == 0:
+            return _quantize_fp8(torch.empty(0, hidden, device=rows.device))
+        fn = _ops_fn("mxfp4_rows_to_fp8_blockwise", rows)
+        if fn is not None:
+            data, scales, _underflow = fn(rows, hidden, split_lens=split_lens, split_offsets=split_offsets)
+            return data, scales
+        packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
+        data, fp32_scales, _underflow = formats.mxfp4_to_fp8_blockwise(packed, scales)
+        return data, fp32_scales
+
+
+class NVFP4Payload(PayloadCodec):
+    """NVFP4 rows: packed E2M1 (H/2), E4M3 block scales per 16 (H/16), the sender's FP32 tensor
+    scale (4 bytes). The tensor scale comes from the amax of the sender's whole batch, as
+    ``quantize_nvfp4(x)``; decoding groups rows by their tensor scale (one host sync)."""
+
+    name = "nvfp4"
+
+    def row_bytes(self, hidden: int) -> int:
+        self.check_hidden(hidden, "hidden")
+        return hidden // 2 + hidden // formats.NVFP4_BLOCK + 4
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_x(x)
+        if x.shape[0] == 0:
+            return self.empty_rows(x.shape[1], x.device)
+        packed, scales, global_scale = formats.quantize_nvfp4(x)
+        gs = global_scale.reshape(1, 1).expand(x.shape[0], 1)
+        return torch.cat((packed, scales.view(torch.uint8), _bytes_of(gs)), dim=1)
+
+    def split(self, rows: torch.Tensor, hidden: int):
+        """rows -> (packed uint8 [N, H/2], scales float8_e4m3fn [N, H/16], global scale float32 [N])."""
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        h2, h16 = hidden // 2, hidden // formats.NVFP4_BLOCK
+        packed = rows[:, :h2]
+        scales = rows[:, h2:h2 + h16].contiguous().view(torch.float8_e4m3fn)
+        gs = rows[:, h2 + h16:].contiguous().view(torch.float32).reshape(-1)
+        return packed, scales, gs
+
+    def _decode(self, rows, hidden, dtype):
+        packed, scales, gs = self.split(rows, hidden)
+        out = torch.empty(rows.shape[0], hidden, dtype=dtype, device=rows.device)
+        # Rows of one sender share a tensor scale: dequantize each group with the spec.
+        for value in torch.unique(gs):
+            sel = (gs == value).nonzero().reshape(-1)
+            out[sel] = formats.dequantize_nvfp4(packed[sel], scales[sel], value, dtype=dtype)
+        return out
+
+
+PAYLOADS: dict[str, type[PayloadCodec]] = {
+    "bf16": BF16Payload,
+    "fp8": FP8Payload,
+    "mxfp4": MXFP4Payload,
+    "nvfp4": NVFP4Payload,
+}
+PAYLOAD_IDS = {name: i for i, name in enumerate(PAYLOADS)}
+
+
+def get_payload(payload) -> PayloadCodec:
+    """A codec from its name ("bf16", "fp8", "mxfp4", "nvfp4") or a PayloadCodec instance."""
+    if isinstance(payload, PayloadCodec):
+        return payload
+    if isinstance(payload, str) and payload in PAYLOADS:
+        return PAYLOADS[payload]()
+    raise ValueError(f"payload: expected one of {sorted(PAYLOADS)} or a PayloadCodec, got {payload!r}")
+
+
+__all__ = ["PayloadCodec", "BF16Payload", "FP8Payload", "MXFP4Payload", "NVFP4Payload", "PAYLOADS",
+           "get_payload"]
