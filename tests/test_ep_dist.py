@@ -1,0 +1,433 @@
+"""Expert-parallel dispatch/combine on real multi-process groups (gloo, 2, 3 and 4 ranks).
+
+One pool of 4 spawned workers runs every case; a case on n ranks uses the group of ranks 0..n-1.
+Every rank draws the whole world's tokens and routing from the case's seed, so each rank can build
+the single-process reference for its own tokens. The case functions (``case_*``) also run over NCCL
+in test_ep_gpu.py.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+from _compare import assert_bitwise_equal
+
+from moe_fp4 import formats
+from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
+from moe_fp4.ep.backends import TorchDistributedBackend
+
+H = 128  # a multiple of 128 so that every payload (fp8 too) applies
+SCENARIOS = ("random", "empty_rank", "one_expert", "k_gt_local", "duplicates", "no_route")
+
+
+# ------------------------------------------------------------------------------------------------
+# data: the whole world's tokens and routing, the same on every rank
+# ------------------------------------------------------------------------------------------------
+
+
+def make_world(seed: int, world: int, scenario: str = "random", *, experts_per_rank: int = 3, k: int = 3,
+               dyadic: bool = False):
+    """Per rank: x float32 [T_r, H], topk_idx int64 [T_r, k], topk_weights float32 [T_r, k]; and the
+    number of experts. Values are drawn fresh from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    num_experts = experts_per_rank * world
+    if scenario == "k_gt_local":
+        k = experts_per_rank + 2  # more slots than one rank has experts
+    xs, idxs, ws = [], [], []
+    for r in range(world):
+        t = int(torch.randint(5, 12, (1,), generator=g))
+        if scenario == "empty_rank" and r == 1:
+            t = 0
+        if dyadic:  # small dyadic values: every sum below is exact in bf16 and fp8
+            x = torch.randint(-2, 3, (t, H), generator=g).float() * 0.5
+            w = torch.randint(1, 3, (t, k), generator=g).float() * 0.5
+        else:
+            x = torch.randn(t, H, generator=g) * torch.exp(torch.randn(t, 1, generator=g))
+            w = torch.rand(t, k, generator=g)
+        scores = torch.rand(t, num_experts, generator=g)
+        idx = torch.argsort(scores, dim=1)[:, :k].clone()  # distinct experts per token
+        if scenario in ("random", "empty_rank", "k_gt_local", "no_route"):
+            idx[torch.rand(t, k, generator=g) < 0.2] = -1
+        if scenario == "no_route" and t:
+            idx[: max(1, t // 3)] = -1
+        if scenario == "one_expert":
+            idx[:] = -1
+            idx[:, 0] = num_experts - 1
+        if scenario == "duplicates" and k >= 2:
+            idx[:, 1] = idx[:, 0]
+            idx[::2, 2 % k] = idx[::2, 0]
+        xs.append(x)
+        idxs.append(idx)
+        ws.append(w)
+    return xs, idxs, ws, num_experts
+
+
+def expert_params(seed: int, num_experts: int):
+    g = torch.Generator().manual_seed(seed ^ 0x5EED)
+    a = torch.randn(num_experts, H, generator=g)
+    b = torch.randn(num_experts, H, generator=g) * 0.1
+    return a, b
+
+
+def apply_expert(kind: str, params, expert_ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Row-independent experts (the same bits whatever batch a row is in): bf16 [n, H] -> bf16."""
+    if kind == "identity":
+        return rows.to(torch.bfloat16)
+    a, b = (p.to(rows.device) for p in params)
+    if kind == "dyadic":
+        a = torch.where(a > 0, 1.0, -1.0)
+        b = torch.zeros_like(b)
+        return (rows.float() * a[expert_ids] + b[expert_ids]).to(torch.bfloat16)
+    return torch.relu(rows.float() * a[expert_ids] + b[expert_ids]).to(torch.bfloat16)
+
+
+def run_local_experts(kind, params, out, rank, experts_per_rank, values):
+    """Apply each local expert to its ragged segment of the dispatch output."""
+    y = torch.empty_like(values, dtype=torch.bfloat16)
+    start = 0
+    for e, n in enumerate(out.tokens_per_expert):
+        ids = torch.full((n,), rank * experts_per_rank + e, dtype=torch.int64, device=values.device)
+        y[start:start + n] = apply_expert(kind, params, ids, values[start:start + n])
+        start += n
+    return y
+
+
+def reference_moe(kind, params, x, idx, w, world, experts_per_rank, *, weighted=True):
+    """The single-process MoE of one rank's tokens with combine's documented rounding: per rank, the
+    float32 sum over the token's slots there (ascending), rounded to bf16 (the wire), then the
+    float32 sum over ranks (ascending), rounded to bf16."""
+    t, k = idx.shape
+    xb = x.to(torch.bfloat16)
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    for r in range(world):
+        lo, hi = r * experts_per_rank, (r + 1) * experts_per_rank
+        on_r = (idx >= lo) & (idx < hi)
+        partial = torch.zeros_like(out)
+        for j in range(k):
+            sel = on_r[:, j]
+            y = apply_expert(kind, params, idx[sel, j], xb[sel]).float()
+            partial[sel] = partial[sel] + (y * w[sel, j:j + 1] if weighted else y)
+        routed = on_r.any(dim=1)
+        out[routed] = out[routed] + partial[routed].to(torch.bfloat16).float()
+    return out.to(torch.bfloat16)
+
+
+def spec_rows(x: torch.Tensor, payload: str) -> torch.Tensor:
+    """The byte rows the spec defines for one sender's batch x [T, H]."""
+    if payload == "bf16":
+        return x.to(torch.bfloat16).view(torch.uint8)
+    if payload == "fp8":
+        d, s = formats.quantize_fp8_blockwise(x, block=(1, 128))
+        return torch.cat((d.view(torch.uint8), s.view(torch.uint8)), dim=1)
+    if payload == "mxfp4":
+        return formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    if payload == "nvfp4":
+        p, s, gs = formats.quantize_nvfp4(x)
+        return torch.cat((p, s.view(torch.uint8), gs.reshape(1, 1).expand(x.shape[0], 1).contiguous().view(
+            torch.uint8)), dim=1)
+    raise AssertionError(payload)
+
+
+def expected_order(idxs, rank, experts_per_rank):
+    """(source rank, token, slot) of each dispatch output row: grouped by local expert, then by
+    source rank, token, slot."""
+    order = []
+    for e in range(rank * experts_per_rank, (rank + 1) * experts_per_rank):
+        for s, idx in enumerate(idxs):
+            for t, j in (idx == e).nonzero().tolist():
+                order.append((s, t, j))
+    return order
+
+
+def with_specials(x: torch.Tensor, seed: int) -> torch.Tensor:
+    """Zero block, huge and tiny magnitudes, a NaN and an Inf in some rows."""
+    x = x.clone()
+    if x.shape[0] >= 4:
+        x[0, :32] = 0.0
+        x[1, 5] = float("nan")
+        x[2, 40] = float("inf")
+        x[3] *= 2.0 ** (seed % 40 - 20)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# cases (run on every rank)
+# ------------------------------------------------------------------------------------------------
+
+
+def _to(dev, *ts):
+    return [t.to(dev) for t in ts]
+
+
+def case_roundtrip_bf16(ctx, seed, scenario):
+    """bf16 dispatch, experts, combine == the single-process MoE, bit for bit."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world, scenario)
+    ell = n_exp // world
+    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+    buf = Buffer(n_exp, ctx.group, payload="bf16")
+    out = buf.dispatch(x, idx, w)
+    # layout facts: per-expert counts over the whole world, ragged splits without padding
+    want = [sum(int((i == e).sum()) for i in idxs) for e in range(rank * ell, (rank + 1) * ell)]
+    assert out.tokens_per_expert == want, (out.tokens_per_expert, want)
+    assert out.split_lens.tolist() == want
+    assert out.split_offsets.tolist() == [sum(want[:e]) for e in range(ell)]
+    order = expected_order(idxs, rank, ell)
+    values = out.values()
+    assert values.shape == (len(order), H)
+    if order:
+        ref_rows = torch.stack([xs[s][t] for s, t, _ in order]).to(dev, torch.bfloat16)
+        assert_bitwise_equal(values, ref_rows, "received bf16 rows")
+        ref_w = torch.tensor([ws[s][t, j] for s, t, j in order], device=dev)
+        assert_bitwise_equal(out.row_weights, ref_w, "row weights")
+    params = expert_params(seed, n_exp)
+    for kind in ("identity", "affine"):
+        y = run_local_experts(kind, params, out, rank, ell, values)
+        got = buf.combine(y, out.handle)
+        ref = reference_moe(kind, _to(dev, *params), x, idx, w, world, ell)
+        assert_bitwise_equal(got, ref, f"combine ({kind} experts)")
+        # weights: applied by combine; weighted=False sums what the caller gives
+        unweighted = buf.combine(y, out.handle, weighted=False)
+        assert_bitwise_equal(unweighted, reference_moe(kind, _to(dev, *params), x, idx, w, world, ell,
+                                                       weighted=False), "combine, weighted=False")
+        caller_weighted = y.float() * out.row_weights.unsqueeze(1)
+        assert_bitwise_equal(buf.combine(caller_weighted, out.handle, weighted=False), got,
+                             "combine of caller-weighted rows")
+    # a cached-handle dispatch of other tokens reuses the layout
+    x2 = torch.randn_like(x)
+    again = buf.dispatch(x2, handle=out.handle)
+    fresh = buf.dispatch(x2, idx, w)
+    assert_bitwise_equal(again.rows, fresh.rows, "cached-handle dispatch rows")
+    return len(order)
+
+
+def case_payload_rows(ctx, seed, payload):
+    """Received rows equal the spec's bytes for every payload and routing scenario; the FP8 output
+    equals the spec's conversion."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    for n, scenario in enumerate(SCENARIOS):
+        xs, idxs, ws, n_exp = make_world(seed + n, world, scenario)
+        xs = [with_specials(x, seed + r) for r, x in enumerate(xs)]
+        ell = n_exp // world
+        x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+        buf = Buffer(n_exp, ctx.group, payload=payload)
+        out = buf.dispatch(x, idx, w, return_fp8=True)
+        order = expected_order(idxs, rank, ell)
+        per_source = [spec_rows(xs[s].to(dev), payload) for s in range(world)]
+        assert out.rows.shape[0] == len(order), scenario
+        if order:
+            want = torch.stack([per_source[s][t] for s, t, _ in order])
+            assert_bitwise_equal(out.rows, want, f"{payload} rows ({scenario})")
+        data, scales = out.fp8
+        assert data.shape == (len(order), H) and scales.shape == (len(order), H // 128)
+        if order and payload == "mxfp4":
+            packed, sc = formats.unpack_mxfp4_rows(out.rows, H)
+            d_ref, s_ref, _ = formats.mxfp4_to_fp8_blockwise(packed, sc)
+            assert_bitwise_equal(data, d_ref, "mxfp4 -> fp8 data")
+            assert_bitwise_equal(scales, s_ref, "mxfp4 -> fp8 scales")
+        if order and payload == "fp8":
+            src = torch.stack([xs[s][t] for s, t, _ in order]).to(dev)
+            d_ref, s_ref = formats.quantize_fp8_blockwise(src, block=(1, 128))
+            assert_bitwise_equal(data, d_ref, "fp8 data")
+            assert_bitwise_equal(scales, s_ref, "fp8 scales")
+        # received top-k ids: local ids on this rank, -1 elsewhere, in (source rank, token) order
+        recv = [(s, t) for s, i in enumerate(idxs) for t in range(i.shape[0])
+                if bool(((i[t] >= rank * ell) & (i[t] < (rank + 1) * ell)).any())]
+        assert out.recv_topk_idx.shape[0] == len(recv)
+        for row, (s, t) in enumerate(recv):
+            ids = idxs[s][t]
+            local = torch.where((ids >= rank * ell) & (ids < (rank + 1) * ell), ids - rank * ell, -1)
+            assert out.recv_topk_idx[row].tolist() == local.tolist(), (scenario, row)
+            assert_bitwise_equal(out.recv_topk_weights[row].cpu(), ws[s][t], "recv weights")
+    return None
+
+
+def case_autograd(ctx, seed, backward_payload):
+    """Gradients of x and of the top-k weights through dispatch -> experts -> combine equal the
+    single-process autograd reference (dyadic data: every sum is exact)."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world, "duplicates" if seed % 2 else "random", dyadic=True)
+    ell = n_exp // world
+    params = expert_params(seed, n_exp)
+    gs = [torch.randint(-2, 3, (x.shape[0], H), generator=torch.Generator().manual_seed(seed + 7 + r)).float()
+          * 0.5 for r, x in enumerate(xs)]
+    x = xs[rank].to(dev, torch.bfloat16).requires_grad_(True)
+    w = ws[rank].to(dev).requires_grad_(True)
+    idx = idxs[rank].to(dev)
+    buf = Buffer(n_exp, ctx.group, payload="bf16")
+    values, out = dispatch_with_grad(buf, x, idx, w, backward_payload=backward_payload)
+    y = torch.empty(values.shape, dtype=torch.bfloat16, device=dev)
+    start = 0
+    pieces = []
+    for e, n in enumerate(out.tokens_per_expert):
+        ids = torch.full((n,), rank * ell + e, dtype=torch.int64, device=dev)
+        pieces.append(apply_expert("dyadic", params, ids, values[start:start + n]))
+        start += n
+    y = torch.cat(pieces) if pieces else y
+    got = combine_with_grad(buf, y, out.handle, w, backward_payload=backward_payload)
+    got.backward(gs[rank].to(dev, torch.bfloat16))
+
+    # single-process reference: plain MoE of the rank's tokens
+    xr = xs[rank].to(dev, torch.bfloat16).requires_grad_(True)
+    wr = ws[rank].to(dev).requires_grad_(True)
+    acc = torch.zeros(xr.shape, dtype=torch.float32, device=dev)
+    for j in range(idx.shape[1]):
+        sel = idx[:, j] >= 0
+        contrib = apply_expert("dyadic", params, idx[sel, j], xr[sel]).float() * wr[sel, j:j + 1]
+        acc = acc.index_add(0, sel.nonzero().reshape(-1), contrib)
+    ref = acc.to(torch.bfloat16)
+    ref.backward(gs[rank].to(dev, torch.bfloat16))
+    assert_bitwise_equal(got, ref, "forward")
+    assert_bitwise_equal(x.grad, xr.grad, f"grad x ({backward_payload})")
+    assert_bitwise_equal(w.grad, wr.grad, f"grad topk_weights ({backward_payload})")
+    return None
+
+
+def _expect_value_error(fn, *words):
+    try:
+        fn()
+    except ValueError as e:
+        msg = str(e)
+        assert all(wd in msg for wd in words), f"ValueError {msg!r} does not mention {words}"
+        return msg
+    raise AssertionError(f"expected ValueError mentioning {words}")
+
+
+def case_errors(ctx, seed):
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world)
+    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+    buf = Buffer(n_exp, ctx.group, payload="mxfp4")
+    # experts that do not split over the world
+    _expect_value_error(lambda: Buffer(n_exp + 1, ctx.group), "num_experts")
+    # an id out of range on the last rank only: every rank raises
+    bad = idx.clone()
+    if rank == world - 1 and bad.numel():
+        bad[0, 0] = n_exp
+    _expect_value_error(lambda: buf.dispatch(x, bad, w), "topk_idx", "out of range")
+    neg = idx.clone()
+    if rank == 0 and neg.numel():
+        neg[-1, -1] = -2
+    _expect_value_error(lambda: buf.dispatch(x, neg, w), "topk_idx")
+    # hidden not a multiple of 32 (128 for fp8), on every rank
+    _expect_value_error(lambda: buf.dispatch(x[:, :48], idx, w), "x", "32")
+    _expect_value_error(lambda: buf.dispatch(x[:, :96], idx, w, payload="fp8"), "x", "128")
+    # ranks that disagree on the hidden size
+    xh = x[:, :96] if rank == 0 else x
+    _expect_value_error(lambda: buf.dispatch(xh, idx, w), "hidden")
+    # ranks that disagree on k
+    kk = idx[:, :2] if rank == 1 else idx
+    wk = w[:, :2] if rank == 1 else w
+    _expect_value_error(lambda: buf.dispatch(x, kk, wk), "num_topk")
+    # dtype and device mismatches: the offending rank names the argument, the others abandon too
+    xi = x.to(torch.int32) if rank == 0 else x
+    _expect_value_error(lambda: buf.dispatch(xi, idx, w), "x" if rank == 0 else "rejected")
+    idf = idx.float() if rank == world - 1 else idx
+    _expect_value_error(lambda: buf.dispatch(x, idf, w), "topk_idx" if rank == world - 1 else "rejected")
+    xm = x.to("meta") if rank == 0 else x
+    _expect_value_error(lambda: buf.dispatch(xm, idx, w), "x" if rank == 0 else "rejected")
+    wd = w.to(torch.int64) if rank == 0 else w
+    _expect_value_error(lambda: buf.dispatch(x, idx, wd), "topk_weights" if rank == 0 else "rejected")
+    # after all that the group still works
+    out = buf.dispatch(x, idx, w)
+    # combine and cached dispatch: handle, row count and world-size mismatches
+    y = out.values()
+    _expect_value_error(lambda: buf.combine(torch.cat((y, y.new_zeros(1, H))), out.handle), "y")
+    _expect_value_error(lambda: buf.combine(y, object()), "handle")
+    _expect_value_error(lambda: buf.dispatch(torch.cat((x, x.new_zeros(1, H))), handle=out.handle), "x")
+    other = Buffer(n_exp * 2, ctx.group)
+    _expect_value_error(lambda: other.combine(y, out.handle), "handle", "world size")
+    local = Buffer(n_exp, backend="local")
+    _expect_value_error(lambda: local.combine(y, out.handle), "handle")
+    if dev.type == "cpu":
+        _expect_value_error(lambda: Buffer(n_exp, ctx.group, backend="nccl"), "backend")
+    nw = Buffer(n_exp, ctx.group).dispatch(x, idx)
+    _expect_value_error(lambda: buf.combine(nw.values(), nw.handle), "weighted")
+    return None
+
+
+def case_timeout(ctx, seed):
+    """Rank 0 dispatches on a group with a short timeout; rank 1 never joins: rank 0 gets an error
+    (not a hang) within about the timeout."""
+    import torch.distributed as dist
+
+    xs, idxs, ws, n_exp = make_world(seed, 2)
+    if ctx.rank == 0:
+        buf = Buffer(n_exp, ctx.short_timeout_group, payload="mxfp4")
+        x, idx, w = _to(ctx.device, xs[0], idxs[0], ws[0])
+        t0 = time.monotonic()
+        try:
+            buf.dispatch(x, idx, w)
+        except ValueError:
+            raise
+        except Exception as e:  # gloo reports the timeout as RuntimeError / DistBackendError
+            elapsed = time.monotonic() - t0
+            assert elapsed < ctx.short_timeout_s + 20, elapsed
+            dist.barrier(ctx.group)
+            return f"{type(e).__name__} after {elapsed:.1f} s"
+        raise AssertionError("dispatch returned although rank 1 never joined")
+    dist.barrier(ctx.group)  # rank 1 stays alive without joining until rank 0 has given up
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# pytest
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from moe_fp4.ep.testing import WorkerPool
+
+    p = WorkerPool(4, "gloo", timeout_s=60, short_timeout_s=2)
+    yield p
+    p.close()
+
+
+def fresh_seed() -> int:
+    return random.randrange(1 << 30)
+
+
+def test_backend_follows_group(pool):
+    def_name = pool.run(case_backend_name, ranks=2)
+    assert def_name == ["gloo", "gloo"]
+
+
+def case_backend_name(ctx):
+    b = Buffer(6, ctx.group)
+    assert isinstance(b.backend, TorchDistributedBackend) and b.device.type == "cpu"
+    return b.backend.name
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_roundtrip_bf16_matches_single_process_moe(pool, world, scenario):
+    seed = fresh_seed()
+    rows = pool.run(case_roundtrip_bf16, seed, scenario, ranks=world)
+    assert sum(rows) > 0, f"seed {seed}: no rows were dispatched"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("payload", ["mxfp4", "fp8", "nvfp4", "bf16"])
+def test_received_rows_equal_spec(pool, world, payload):
+    pool.run(case_payload_rows, fresh_seed(), payload, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backward_payload", ["bf16", "fp8"])
+def test_autograd_matches_single_process(pool, world, backward_payload):
+    pool.run(case_autograd, fresh_seed(), backward_payload, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_errors_raise_value_error_on_every_rank(pool, world):
+    pool.run(case_errors, fresh_seed(), ranks=world)
+
+
+def test_missing_peer_times_out_with_an_error(pool):
+    # last: the short-timeout group is left broken
+    res = pool.run(case_timeout, fresh_seed(), ranks=2, timeout_s=60)
+    assert res[0] and "after" in res[0]
