@@ -1,0 +1,194 @@
+"""Single-process checks of the EP layer: layout, payload codecs against the spec, a world of one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _compare import assert_bitwise_equal
+
+from moe_fp4 import formats
+from moe_fp4.ep import Buffer, dispatch_layout, get_payload, send_order
+from moe_fp4.ep.backends import LocalBackend, make_backend
+
+
+def random_routing(t, k, num_experts, *, allow_dups=True):
+    idx = torch.randint(-1, num_experts, (t, k))
+    if not allow_dups:
+        idx = torch.argsort(torch.rand(t, num_experts), 1)[:, :k]
+    return idx
+
+
+@pytest.mark.parametrize("world,experts,k", [(1, 4, 2), (2, 8, 3), (3, 6, 5), (4, 16, 8), (4, 4, 6)])
+def test_layout_matches_brute_force(world, experts, k):
+    t = 23
+    idx = random_routing(t, k, experts)
+    idx[0] = -1
+    idx[1] = idx[1, 0].clamp(min=0)  # one token with its expert repeated k times
+    lay = dispatch_layout(idx, experts, world)
+    ell = experts // world
+    in_rank = torch.zeros(t, world, dtype=torch.bool)
+    per_expert = torch.zeros(experts, dtype=torch.int64)
+    slots = torch.zeros(world, k, dtype=torch.int64)
+    for i in range(t):
+        for j in range(k):
+            e = int(idx[i, j])
+            if e >= 0:
+                in_rank[i, e // ell] = True
+                per_expert[e] += 1
+                slots[e // ell, j] += 1
+    assert torch.equal(lay.is_token_in_rank, in_rank)
+    assert torch.equal(lay.num_tokens_per_rank, in_rank.sum(0))
+    assert torch.equal(lay.num_tokens_per_expert, per_expert)
+    assert torch.equal(lay.num_slots_per_rank, slots)
+    assert int(lay.invalid) == 0
+    n_send = int(in_rank.sum())
+    tok, rank = send_order(lay, n_send)
+    want = [(i, r) for r in range(world) for i in range(t) if in_rank[i, r]]
+    assert list(zip(tok.tolist(), rank.tolist())) == want
+
+
+def test_layout_counts_invalid_ids():
+    idx = torch.tensor([[0, 9], [-3, 1], [2, -1]])
+    lay = dispatch_layout(idx, 4, 2)
+    assert int(lay.invalid) == 2
+    assert lay.num_tokens_per_expert.tolist() == [1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("bad,what", [
+    (lambda: dispatch_layout(torch.zeros(3, 2), 4, 2), "topk_idx"),
+    (lambda: dispatch_layout(torch.zeros(3, dtype=torch.long), 4, 2), "topk_idx"),
+    (lambda: dispatch_layout(torch.zeros(3, 2, dtype=torch.long), 5, 2), "num_experts"),
+    (lambda: dispatch_layout(torch.zeros(3, 2, dtype=torch.long), 4, 0), "world_size"),
+])
+def test_layout_errors(bad, what):
+    with pytest.raises(ValueError, match=what):
+        bad()
+
+
+def special_input(t, h):
+    x = torch.randn(t, h) * torch.exp(2 * torch.randn(t, 1))
+    x[0, :32] = 0
+    x[1, 3] = float("nan")
+    x[2, 70] = float("-inf")
+    x[3, 10] = 1e-30
+    x[4] = 448.0 * 6
+    return x
+
+
+def spec_rows(x, name):
+    if name == "bf16":
+        return x.to(torch.bfloat16).view(torch.uint8)
+    if name == "fp8":
+        d, s = formats.quantize_fp8_blockwise(x, block=(1, 128))
+        return torch.cat((d.view(torch.uint8), s.view(torch.uint8)), 1)
+    if name == "mxfp4":
+        return formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    p, s, gs = formats.quantize_nvfp4(x)
+    return torch.cat((p, s.view(torch.uint8), gs.reshape(1, 1).expand(x.shape[0], 1).contiguous().view(torch.uint8)), 1)
+
+
+ROW_BYTES = {"bf16": lambda h: 2 * h, "fp8": lambda h: h + h // 32, "mxfp4": lambda h: h // 2 + h // 32,
+             "nvfp4": lambda h: h // 2 + h // 16 + 4}
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codec_rows_equal_spec(name, dtype):
+    codec = get_payload(name)
+    h = 256
+    x = special_input(9, h).to(dtype)
+    rows = codec.encode(x)
+    assert rows.dtype == torch.uint8 and rows.shape == (9, ROW_BYTES[name](h)) == (9, codec.row_bytes(h))
+    assert_bitwise_equal(rows, spec_rows(x, name), f"{name} rows")
+    values = codec.decode(rows, h)
+    if name == "bf16":
+        ref = x.to(torch.bfloat16).float()
+    elif name == "fp8":
+        ref = formats.dequantize_fp8_blockwise(*formats.quantize_fp8_blockwise(x, block=(1, 128)), block=(1, 128))
+    elif name == "mxfp4":
+        ref = formats.dequantize_mxfp4(*formats.quantize_mxfp4(x))
+    else:
+        ref = formats.dequantize_nvfp4(*formats.quantize_nvfp4(x))
+    assert_bitwise_equal(values, ref, f"{name} decode")
+    data, scales = codec.to_fp8_blockwise(rows, h)
+    if name == "mxfp4":
+        d_ref, s_ref, _ = formats.mxfp4_to_fp8_blockwise(*formats.quantize_mxfp4(x))
+    elif name == "fp8":  # the payload is the FP8 operand itself
+        d_ref, s_ref = formats.quantize_fp8_blockwise(x, block=(1, 128))
+    else:
+        d_ref, s_ref = formats.quantize_fp8_blockwise(ref, block=(1, 128))
+    assert_bitwise_equal(data, d_ref, f"{name} -> fp8 data")
+    assert_bitwise_equal(scales, s_ref, f"{name} -> fp8 scales")
+    empty = codec.encode(x[:0])
+    assert empty.shape == (0, codec.row_bytes(h))
+    assert codec.decode(empty, h).shape == (0, h)
+
+
+def test_deepseek_row_sizes():
+    h = 7168
+    assert get_payload("mxfp4").row_bytes(h) == 3808 == h // 2 + h // 32
+    assert get_payload("fp8").row_bytes(h) == 7392
+    assert get_payload("bf16").row_bytes(h) == 14336
+    assert get_payload("nvfp4").row_bytes(h) == 4036
+
+
+def test_nvfp4_decode_of_rows_from_several_senders():
+    codec = get_payload("nvfp4")
+    a, b = torch.randn(5, 64), torch.randn(4, 64) * 100
+    rows = torch.cat((codec.encode(a), codec.encode(b)))[torch.tensor([0, 5, 1, 6, 2, 7, 3, 8, 4])]
+    got = codec.decode(rows, 64)
+    ref = torch.cat((formats.dequantize_nvfp4(*formats.quantize_nvfp4(a)),
+                     formats.dequantize_nvfp4(*formats.quantize_nvfp4(b))))[torch.tensor([0, 5, 1, 6, 2, 7, 3, 8, 4])]
+    assert_bitwise_equal(got, ref, "nvfp4 decode")
+
+
+@pytest.mark.parametrize("name,h,what", [("mxfp4", 48, "32"), ("fp8", 96, "128"), ("nvfp4", 40, "32"),
+                                         ("bf16", 33, "32")])
+def test_codec_hidden_errors(name, h, what):
+    with pytest.raises(ValueError, match=what):
+        get_payload(name).encode(torch.randn(3, h))
+
+
+def test_codec_input_errors():
+    codec = get_payload("mxfp4")
+    with pytest.raises(ValueError, match="x"):
+        codec.encode(torch.ones(3, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="rows"):
+        codec.decode(torch.zeros(3, 64, dtype=torch.uint8), 64)
+    with pytest.raises(ValueError, match="rows"):
+        codec.decode(torch.zeros(3, 36), 64)
+    with pytest.raises(ValueError, match="payload"):
+        get_payload("fp4")
+    with pytest.raises(ValueError, match="scale_rounding"):
+        get_payload("mxfp4").__class__(scale_rounding="nearest")
+
+
+def test_world_of_one_dispatch_combine():
+    buf = Buffer(6, payload="bf16")
+    assert isinstance(buf.backend, LocalBackend)
+    x = torch.randn(17, 128)
+    idx = random_routing(17, 4, 6)
+    w = torch.rand(17, 4)
+    out = buf.dispatch(x, idx, w, return_fp8=True)
+    assert out.tokens_per_expert == [int((idx == e).sum()) for e in range(6)]
+    order = [(t, j) for e in range(6) for t, j in (idx == e).nonzero().tolist()]
+    assert_bitwise_equal(out.values(), torch.stack([x[t] for t, _ in order]).to(torch.bfloat16), "rows")
+    y = out.values() * 3
+    got = buf.combine(y, out.handle)
+    ref = torch.zeros(17, 128)
+    for t in range(17):
+        for j in range(4):
+            if idx[t, j] >= 0:
+                ref[t] = ref[t] + (x[t].to(torch.bfloat16) * 3).float() * w[t, j]
+    assert_bitwise_equal(got, ref.to(torch.bfloat16), "combine")
+
+
+def test_make_backend_choices():
+    assert isinstance(make_backend(None, None), LocalBackend)
+    assert isinstance(make_backend(None, "local"), LocalBackend)
+    with pytest.raises(ValueError, match="backend"):
+        make_backend(None, "nccl")
+    with pytest.raises(ValueError, match="backend"):
+        make_backend(None, "mpi")
+    with pytest.raises(ValueError, match="num_experts"):
+        Buffer(0)
