@@ -1,0 +1,143 @@
+// Device helpers shared by the sm90_ conversion kernels: the bit-level rules of moe_fp4.formats
+// (the numeric spec) written once in CUDA. CUDA toolkit headers only; no torch.
+#pragma once
+
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace moe_fp4 {
+
+constexpr int kMxBlock = 32;          // elements per UE8M0 scale (MX block)
+constexpr int kFp8Group = 128;        // elements per FP32 scale (FP8 1x128 group)
+constexpr int kFp8HeadroomExp = 6;    // formats.convert.FP8_HEADROOM_EXP: 6 * 2^6 = 384 <= 448
+constexpr uint32_t kUe8m0Nan = 0xFFu;
+constexpr uint32_t kFloatNanBits = 0x7FC00000u;  // the bits of float('nan') in the spec
+constexpr uint32_t kFloatInfBits = 0x7F800000u;
+
+// Exact 2^(127 - byte) for a UE8M0 byte in [0, 254] (spec: pow2_float32(127 - byte)); byte 254 gives
+// the subnormal 2^-127.
+__device__ __forceinline__ float ue8m0_inverse(uint32_t byte) {
+  return __uint_as_float(byte < 254u ? (254u - byte) << 23 : 0x00400000u);
+}
+
+// Exact 2^(byte - 127) for a UE8M0 byte (spec: decode_ue8m0); 0 gives 2^-127, 0xFF gives NaN.
+__device__ __forceinline__ float ue8m0_value(uint32_t byte) {
+  if (byte == kUe8m0Nan) return __uint_as_float(kFloatNanBits);
+  return __uint_as_float(byte > 0u ? byte << 23 : 0x00400000u);
+}
+
+// UE8M0 byte of a finite non-negative float32, rounded up to a power of two in bit space
+// (spec: encode_ue8m0(x, rounding="up")): exponent field plus one when any mantissa bit is set.
+__device__ __forceinline__ uint32_t ue8m0_round_up(float q) {
+  const uint32_t u = __float_as_uint(q);
+  const uint32_t b = (u >> 23) + ((u & 0x7FFFFFu) != 0u ? 1u : 0u);
+  return b < 254u ? b : 254u;
+}
+
+// Scale byte of an MX E2M1 block from the bits of its absolute maximum (spec: mx_scale_bytes).
+// "up": float32(amax / 6) correctly rounded (IEEE division), then rounded up to a power of two;
+// "down": exponent field of amax minus 2 (E2M1's largest exponent), clamped at 0.
+// NaN or Inf in the block (amax bits >= Inf) gives 0xFF.
+__device__ __forceinline__ uint32_t e2m1_scale_byte(uint32_t amax_bits, bool round_up) {
+  if (amax_bits >= kFloatInfBits) return kUe8m0Nan;
+  if (round_up) return ue8m0_round_up(__fdiv_rn(__uint_as_float(amax_bits), 6.0f));
+  const int e = int(amax_bits >> 23) - 2;
+  return e > 0 ? uint32_t(e) : 0u;
+}
+
+// Scale byte of an FP8 E4M3 1x128 group (spec: mx_scale_bytes(amax, E4M3, "up")).
+__device__ __forceinline__ uint32_t e4m3_scale_byte(uint32_t amax_bits) {
+  if (amax_bits >= kFloatInfBits) return kUe8m0Nan;
+  return ue8m0_round_up(__fdiv_rn(__uint_as_float(amax_bits), 448.0f));
+}
+
+// E2M1 magnitude code (0..7) of a finite v >= 0: round to nearest, ties to even, saturating at 6.
+// v < 1 (E2M1 subnormals, step 0.5): adding 2^22 (whose ulp is 0.5) rounds v to a multiple of 0.5
+// and leaves that multiple in the low bits. v >= 1: round the float32 mantissa to one bit in integer
+// space; the carry moves into the exponent, and the exponent offset turns the result into a code.
+__device__ __forceinline__ uint32_t e2m1_magnitude(float v) {
+  const uint32_t sub = __float_as_uint(__fadd_rn(v, 4194304.0f)) & 7u;
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u) - (252u << 22)) >> 22;
+  const uint32_t normal = r < 7u ? r : 7u;
+  return v < 1.0f ? sub : normal;
+}
+
+// Two float32 -> two E4M3 bytes (a in the low byte): round to nearest even, saturating to +-448.
+__device__ __forceinline__ uint32_t e4m3x2(float a, float b) {
+  return uint32_t(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+}
+
+// Four float32 -> four E4M3 bytes in one word (a in the lowest byte).
+__device__ __forceinline__ uint32_t e4m3x4(float a, float b, float c, float d) {
+  return e4m3x2(a, b) | (e4m3x2(c, d) << 16);
+}
+
+// Sign bits of four E2M1 codes (the nibbles of the low 16 bits of `half`) moved to bit 7 of four
+// bytes: byte k gets the sign of nibble k. `spread` is __byte_perm(word, 0, 0x1100) or (0x3322).
+__device__ __forceinline__ uint32_t nibble_signs_to_bytes(uint32_t spread) {
+  return ((spread << 4) & 0x00800080u) | (spread & 0x80008000u);
+}
+
+// E4M3 magnitude byte of the E2M1 magnitude code c (0..7) times 2^(6 - d): the direct MXFP4 -> FP8
+// remap of formats.convert (exact for d <= 14; below that it rounds to nearest even into E4M3's
+// subnormals, and d >= 19 gives 0 for every code). Usable on host and device, in constant tables.
+constexpr int kRemapRows = 20;  // shifts 0..18, and row 19 for every larger shift (all zero)
+__host__ __device__ constexpr uint32_t e4m3_of_shifted_e2m1(int c, int d) {
+  // E2M1 magnitude times 2, an integer n: value = n * 2^(5 - d) = U * 2^-9 (E4M3's smallest step).
+  const int n = c == 0 ? 0 : c == 1 ? 1 : c == 2 ? 2 : c == 3 ? 3 : c == 4 ? 4 : c == 5 ? 6 : c == 6 ? 8 : 12;
+  if (n == 0) return 0u;
+  long long units = 0;
+  if (d <= 14) {
+    units = (long long)n << (14 - d);
+  } else {
+    const int s = d - 14;
+    if (s >= 6) return 0u;  // n < 16 <= half of 2^s... all round to zero
+    const long long q = n >> s, rem = n & ((1 << s) - 1), half = 1LL << (s - 1);
+    units = q + ((rem > half || (rem == half && (q & 1))) ? 1 : 0);
+  }
+  if (units < 8) return uint32_t(units);  // subnormal (or the first normal, code 8, reached by rounding)
+  int e = 1;
+  while (units >= 16) {  // exact: n has at most two significant bits
+    units >>= 1;
+    ++e;
+  }
+  return uint32_t((e << 3) | int(units - 8));
+}
+
+// Row d of the remap table packed as two words: byte c of (lo, hi) is e4m3_of_shifted_e2m1(c, d).
+__host__ __device__ constexpr uint32_t remap_word(int d, int half) {
+  return e4m3_of_shifted_e2m1(4 * half + 0, d) | (e4m3_of_shifted_e2m1(4 * half + 1, d) << 8) |
+         (e4m3_of_shifted_e2m1(4 * half + 2, d) << 16) | (e4m3_of_shifted_e2m1(4 * half + 3, d) << 24);
+}
+
+// Segment index arrays may be int32 or int64.
+__device__ __forceinline__ long long load_index(const void* p, bool is64, long long i) {
+  return is64 ? static_cast<const long long*>(p)[i] : static_cast<long long>(static_cast<const int*>(p)[i]);
+}
+
+// Whether `row` lies in a ragged segment, decided by a whole warp (every lane gets the answer).
+// offsets == nullptr: segments are back to back from row 0 and `covered_rows` is their total.
+__device__ __forceinline__ bool warp_row_in_segments(long long row, const void* lens, const void* offsets,
+                                                     bool is64, int num_segments, long long covered_rows) {
+  if (offsets == nullptr) return row < covered_rows;
+  bool hit = false;
+  for (int e = int(threadIdx.x & 31); e < num_segments; e += 32) {
+    const long long off = load_index(offsets, is64, e);
+    const long long len = load_index(lens, is64, e);
+    hit |= (row >= off && row < off + len);
+  }
+  return __any_sync(0xFFFFFFFFu, hit);
+}
+
+// Sum of the segment lengths, computed by one warp (every lane gets it).
+__device__ __forceinline__ long long warp_sum_lengths(const void* lens, bool is64, int num_segments) {
+  long long s = 0;
+  for (int e = int(threadIdx.x & 31); e < num_segments; e += 32) s += load_index(lens, is64, e);
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) s += __shfl_xor_sync(0xFFFFFFFFu, s, m);
+  return s;
+}
+
+}  // namespace moe_fp4

@@ -1,0 +1,83 @@
+// Host launchers of the sm90_ conversion kernels. Raw device pointers and the caller's stream; no
+// torch. Each launcher enqueues its kernels on `stream`, never synchronizes, and returns the launch
+// status (cudaGetLastError). Shapes: T/N rows (tokens), H hidden size (elements per row).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace moe_fp4 {
+
+enum class FloatInput : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+// Ragged expert segments on the device: rows [offsets[e], offsets[e] + lens[e]) belong to expert e.
+struct Segments {
+  const void* lens = nullptr;     // int32/int64 [num]; nullptr: every row is one segment
+  const void* offsets = nullptr;  // int32/int64 [num]; nullptr: back to back from row 0
+  bool is64 = true;               // element type of lens/offsets
+  int num = 0;                    // number of segments (experts)
+};
+
+// BF16ToFP4Row: x [T, H] (row stride x_stride elements) -> MXFP4.
+struct QuantizeMxfp4Params {
+  const void* x;             // float32/bfloat16/float16 [T, H]
+  FloatInput x_type;
+  long long x_stride;        // elements between rows of x (16-byte aligned rows)
+  uint8_t* packed;           // uint8 [R, H/2] rows of E2M1 pairs (element 2i in the low nibble)
+  long long packed_stride;   // bytes between rows of packed
+  uint8_t* scales;           // uint8 [R, H/32] UE8M0 scale bytes
+  long long scales_stride;   // bytes between rows of scales (byte rows: both strides are H/2 + H/32)
+  const void* row_index;     // int32/int64 [T] output row of each token, or nullptr (token t -> row t)
+  bool row_index_is64;
+  long long out_rows;        // R: rows of the output; tokens whose row_index is outside [0, R) are skipped
+  long long tokens;          // T
+  int hidden;                // H, a multiple of 32
+  bool round_up;             // scale rounding: true "up" (rceil), false "down" (OCP floor)
+};
+cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream);
+
+// FP4RowToFP8Row: MXFP4 rows -> E4M3 [N, H] + FP32 scales [N, H/128] + underflow count.
+struct Mxfp4ToFp8RowsParams {
+  const uint8_t* packed;       // uint8 [N, H/2] (row stride packed_stride bytes)
+  long long packed_stride;
+  const uint8_t* scales;       // uint8 [N, H/32] (row stride scales_stride bytes, 4-byte aligned rows)
+  long long scales_stride;
+  uint8_t* out;                // float8_e4m3fn [N, H]
+  float* out_scales;           // float32 [N, H/128]
+  unsigned long long* underflow;  // int64 0-dim, zeroed by the caller: nonzero values that became zero
+  long long rows;              // N
+  int hidden;                  // H, a multiple of 128
+  Segments segments;           // rows outside every segment get zero data and zero scales
+};
+cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream);
+
+// FP4RowToFP8Col: MXFP4 rows grouped by expert -> E4M3 columns [H, N] + FP32 scales [H, G].
+struct Mxfp4ToFp8ColsParams {
+  const uint8_t* packed;       // uint8 [N, H/2] (row stride packed_stride bytes, 16-byte aligned rows)
+  long long packed_stride;
+  const uint8_t* scales;       // uint8 [N, H/32] (row stride scales_stride bytes)
+  long long scales_stride;
+  uint8_t* out;                // float8_e4m3fn [H, N]; columns of rows outside every segment are zeroed
+  float* out_scales;           // float32 [H, G]
+  long long* group_offsets;    // int64 [E + 1] (output): first scale column of each expert, then G
+  long long* workspace;        // int64 [E + 1] scratch: first row of each expert, then the rows covered
+  long long rows;              // N
+  int hidden;                  // H, a multiple of 128
+  long long num_groups;        // G = sum_e ceil(len_e / 128), known to the caller
+  Segments segments;           // lens required
+};
+cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream);
+
+// BF16 -> FP8 1x128: x [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128].
+struct QuantizeFp8Params {
+  const void* x;             // float32/bfloat16/float16 [T, H] (row stride x_stride elements)
+  FloatInput x_type;
+  long long x_stride;
+  uint8_t* out;              // float8_e4m3fn [T, H]
+  float* out_scales;         // float32 [T, H/128]
+  long long tokens;
+  int hidden;                // H, a multiple of 128
+};
+cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
+
+}  // namespace moe_fp4

@@ -1,0 +1,412 @@
+// Direct MXFP4 -> FP8 conversions (formats.convert):
+//   FP4RowToFP8Row: one warp per row, one MX block (16 packed bytes) per lane and item; the E4M3 byte
+//     of each E2M1 code comes from a byte permute over a small remap table indexed by the block's
+//     shift below the group's largest scale (no float arithmetic).
+//   FP4RowToFP8Col: tiles of 128 tokens x 128 hidden per CTA: dequantize (exact, as bf16) into a
+//     swizzled shared-memory tile, then each thread reads 16 tokens of two hidden columns, reduces the
+//     column maximum over the 128 tokens with warp shuffles and writes 16 E4M3 bytes per column.
+#include "sm90_common.cuh"
+#include "sm90_launchers.h"
+
+namespace moe_fp4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kRowUnroll = 4;
+
+struct RemapTable {
+  uint32_t word[kRemapRows][2];  // bytes: E4M3 magnitude of E2M1 magnitude code c at shift d
+  uint32_t zero[kRemapRows];     // bit c: nonzero code c becomes zero at shift d (an underflow)
+};
+
+constexpr RemapTable make_remap_table() {
+  RemapTable t{};
+  for (int d = 0; d < kRemapRows; ++d) {
+    const int shift = d < kRemapRows - 1 ? d : 64;
+    t.word[d][0] = remap_word(shift, 0);
+    t.word[d][1] = remap_word(shift, 1);
+    uint32_t z = 0;
+    for (int c = 1; c < 8; ++c) z |= (e4m3_of_shifted_e2m1(c, shift) == 0u ? 1u : 0u) << c;
+    t.zero[d] = z;
+  }
+  return t;
+}
+
+__constant__ RemapTable kRemap = make_remap_table();
+
+// FP32 scale of a group from its largest UE8M0 byte: 2^(emax - 127 - 6) (subnormal below emax 7).
+__device__ __forceinline__ float group_scale(uint32_t emax) {
+  if (emax == kUe8m0Nan) return __uint_as_float(kFloatNanBits);
+  return __uint_as_float(emax >= 7u ? (emax - 6u) << 23 : 1u << (emax + 16u));
+}
+
+template <bool kVec16>
+__device__ __forceinline__ uint4 load_packed(const uint8_t* p) {
+  if constexpr (kVec16) {
+    return __ldcs(reinterpret_cast<const uint4*>(p));
+  } else {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+    return make_uint4(__ldcs(q), __ldcs(q + 1), __ldcs(q + 2), __ldcs(q + 3));
+  }
+}
+
+// Eight E2M1 codes (one word) -> eight E4M3 bytes (two words) through the remap row (lo, hi).
+__device__ __forceinline__ void remap8(uint32_t w, uint32_t lo, uint32_t hi, uint32_t& out0, uint32_t& out1) {
+  const uint32_t sel = w & 0x77777777u;
+  out0 = __byte_perm(lo, hi, sel) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x1100));
+  out1 = __byte_perm(lo, hi, sel >> 16) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x3322));
+}
+
+__device__ __forceinline__ uint32_t count_underflow(uint32_t w, uint32_t zero_mask) {
+  uint32_t n = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) n += (zero_mask >> ((w >> (4 * i)) & 7u)) & 1u;
+  return n;
+}
+
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const Mxfp4ToFp8RowsParams p) {
+  __shared__ RemapTable remap;
+  for (int i = threadIdx.x; i < kRemapRows; i += kThreads) {
+    remap.word[i][0] = kRemap.word[i][0];
+    remap.word[i][1] = kRemap.word[i][1];
+    remap.zero[i] = kRemap.zero[i];
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const int items = p.hidden / kMxBlock;  // 4 items per FP8 group
+  const int groups = p.hidden / kFp8Group;
+  const Segments& seg = p.segments;
+  const long long covered =
+      (seg.lens != nullptr && seg.offsets == nullptr) ? warp_sum_lengths(seg.lens, seg.is64, seg.num) : p.rows;
+  unsigned long long underflow = 0;
+  for (long long row = warp; row < p.rows; row += num_warps) {
+    uint8_t* orow = p.out + row * p.hidden;
+    float* srow = p.out_scales + row * groups;
+    const bool in_segment =
+        seg.lens == nullptr || warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered);
+    if (!in_segment) {  // rows outside every segment: zero data and zero scales
+      for (int item = lane; item < items; item += 32) {
+        reinterpret_cast<uint4*>(orow + item * 32)[0] = make_uint4(0, 0, 0, 0);
+        reinterpret_cast<uint4*>(orow + item * 32)[1] = make_uint4(0, 0, 0, 0);
+      }
+      for (int g = lane; g < groups; g += 32) srow[g] = 0.0f;
+      continue;
+    }
+    const uint8_t* prow = p.packed + row * p.packed_stride;
+    const uint8_t* scrow = p.scales + row * p.scales_stride;
+    for (int base = 0; base < items; base += 32 * kRowUnroll) {
+      uint4 raw[kRowUnroll];
+      uint32_t s4[kRowUnroll];
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int item = base + u * 32 + lane;
+        if (item < items) {
+          raw[u] = load_packed<kVec16>(prow + item * 16);
+          s4[u] = __ldg(reinterpret_cast<const uint32_t*>(scrow + (item >> 2) * 4));  // the group's 4 scales
+        } else {
+          raw[u] = make_uint4(0, 0, 0, 0);
+          s4[u] = 0;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int item = base + u * 32 + lane;
+        if (item >= items) continue;
+        uint32_t m = __vmaxu4(s4[u], s4[u] >> 16);
+        m = __vmaxu4(m, m >> 8);
+        const uint32_t emax = m & 0xFFu;
+        uint4 o0 = make_uint4(0, 0, 0, 0), o1 = make_uint4(0, 0, 0, 0);  // NaN group: zero data
+        if (emax != kUe8m0Nan) {
+          const uint32_t e = (s4[u] >> (8 * (item & 3))) & 0xFFu;
+          const uint32_t d = min(emax - e, static_cast<uint32_t>(kRemapRows - 1));
+          const uint32_t lo = remap.word[d][0], hi = remap.word[d][1];
+          remap8(raw[u].x, lo, hi, o0.x, o0.y);
+          remap8(raw[u].y, lo, hi, o0.z, o0.w);
+          remap8(raw[u].z, lo, hi, o1.x, o1.y);
+          remap8(raw[u].w, lo, hi, o1.z, o1.w);
+          const uint32_t zero_mask = remap.zero[d];
+          if (zero_mask != 0u) {
+            underflow += count_underflow(raw[u].x, zero_mask) + count_underflow(raw[u].y, zero_mask) +
+                         count_underflow(raw[u].z, zero_mask) + count_underflow(raw[u].w, zero_mask);
+          }
+        }
+        uint4* dst = reinterpret_cast<uint4*>(orow + item * 32);
+        dst[0] = o0;
+        dst[1] = o1;
+        if ((item & 3) == 0) srow[item >> 2] = group_scale(emax);
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) underflow += __shfl_xor_sync(0xFFFFFFFFu, underflow, m);
+  if (lane == 0 && underflow != 0ull) atomicAdd(p.underflow, underflow);
+}
+
+// ------------------------------------------------------------------------------------------------
+// FP4RowToFP8Col
+// ------------------------------------------------------------------------------------------------
+
+constexpr int kTileRows = kFp8Group;     // tokens per tile: one FP8 scale group
+constexpr int kTileCols = 128;           // hidden columns per tile
+constexpr int kTileRowBytes = kTileCols * 2;  // bf16
+
+// Physical 16-byte chunk of logical chunk k (0..15) in tile row r. Phase A writes chunks 4q..4q+3 of
+// rows r, r+1 from 8 lanes; phase B reads the same chunk of rows 16 apart from 8 lanes: both touch 8
+// distinct 16-byte bank groups.
+__device__ __forceinline__ int tile_chunk(int r, int k) {
+  return k ^ ((k >> 3) << 1) ^ (((r >> 4) & 7) ^ (r & 1));
+}
+
+// One segment-group prefix pass (a single block): group offsets (output), first row of each segment,
+// and the rows they cover in all.
+__global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp8ColsParams p) {
+  __shared__ long long warp_groups[32], warp_rows[32];
+  __shared__ long long carry_groups, carry_rows;
+  const Segments& seg = p.segments;
+  const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  if (threadIdx.x == 0) carry_groups = carry_rows = 0;
+  __syncthreads();
+  for (int start = 0; start < seg.num; start += 1024) {
+    const int e = start + threadIdx.x;
+    const long long len = e < seg.num ? load_index(seg.lens, seg.is64, e) : 0;
+    long long ng = (len + kFp8Group - 1) / kFp8Group, nr = len;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {  // inclusive warp scan
+      const long long a = __shfl_up_sync(0xFFFFFFFFu, ng, m), b = __shfl_up_sync(0xFFFFFFFFu, nr, m);
+      if (lane >= m) { ng += a; nr += b; }
+    }
+    if (lane == 31) { warp_groups[wid] = ng; warp_rows[wid] = nr; }
+    __syncthreads();
+    if (wid == 0) {
+      long long g = warp_groups[lane], r = warp_rows[lane];
+#pragma unroll
+      for (int m = 1; m < 32; m <<= 1) {
+        const long long a = __shfl_up_sync(0xFFFFFFFFu, g, m), b = __shfl_up_sync(0xFFFFFFFFu, r, m);
+        if (lane >= m) { g += a; r += b; }
+      }
+      warp_groups[lane] = g;  // inclusive prefix over warps
+      warp_rows[lane] = r;
+    }
+    __syncthreads();
+    const long long before_g = carry_groups + (wid > 0 ? warp_groups[wid - 1] : 0) + ng - (len + kFp8Group - 1) / kFp8Group;
+    const long long before_r = carry_rows + (wid > 0 ? warp_rows[wid - 1] : 0) + nr - len;
+    if (e < seg.num) {
+      p.group_offsets[e] = before_g;
+      p.workspace[e] = seg.offsets != nullptr ? load_index(seg.offsets, seg.is64, e) : before_r;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      carry_groups += warp_groups[31];
+      carry_rows += warp_rows[31];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    p.group_offsets[seg.num] = carry_groups;
+    p.workspace[seg.num] = carry_rows;  // back-to-back segments cover rows [0, this)
+  }
+}
+
+// bf16 bits (high half of the float32 bits) of the 8 E2M1 magnitudes times the block scale, exact,
+// split into byte planes: (hlo, hhi) high bytes of codes 0..3 / 4..7, (llo, lhi) low bytes.
+__device__ __forceinline__ void block_tables(uint32_t sbyte, uint32_t& hlo, uint32_t& hhi, uint32_t& llo,
+                                             uint32_t& lhi) {
+  const float s = ue8m0_value(sbyte);
+  const uint32_t b0 = __float_as_uint(__fmul_rn(0.0f, s)), b1 = __float_as_uint(__fmul_rn(0.5f, s));
+  const uint32_t b2 = __float_as_uint(__fmul_rn(1.0f, s)), b3 = __float_as_uint(__fmul_rn(1.5f, s));
+  const uint32_t b4 = __float_as_uint(__fmul_rn(2.0f, s)), b5 = __float_as_uint(__fmul_rn(3.0f, s));
+  const uint32_t b6 = __float_as_uint(__fmul_rn(4.0f, s)), b7 = __float_as_uint(__fmul_rn(6.0f, s));
+  hlo = __byte_perm(__byte_perm(b0, b1, 0x0073), __byte_perm(b2, b3, 0x0073), 0x5410);
+  hhi = __byte_perm(__byte_perm(b4, b5, 0x0073), __byte_perm(b6, b7, 0x0073), 0x5410);
+  llo = __byte_perm(__byte_perm(b0, b1, 0x0062), __byte_perm(b2, b3, 0x0062), 0x5410);
+  lhi = __byte_perm(__byte_perm(b4, b5, 0x0062), __byte_perm(b6, b7, 0x0062), 0x5410);
+}
+
+// Eight E2M1 codes (one word) -> eight bf16 values (a 16-byte chunk).
+__device__ __forceinline__ uint4 dequant8_bf16(uint32_t w, uint32_t hlo, uint32_t hhi, uint32_t llo, uint32_t lhi) {
+  const uint32_t sel = w & 0x77777777u, sel_hi = sel >> 16;
+  const uint32_t h0 = __byte_perm(hlo, hhi, sel) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x1100));
+  const uint32_t l0 = __byte_perm(llo, lhi, sel);
+  const uint32_t h1 = __byte_perm(hlo, hhi, sel_hi) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x3322));
+  const uint32_t l1 = __byte_perm(llo, lhi, sel_hi);
+  return make_uint4(__byte_perm(l0, h0, 0x5140), __byte_perm(l0, h0, 0x7362), __byte_perm(l1, h1, 0x5140),
+                    __byte_perm(l1, h1, 0x7362));
+}
+
+__device__ __forceinline__ long long upper_bound_groups(const long long* offs, int n, long long g) {
+  int lo = 0, hi = n;  // first index in [0, n) with offs[index] > g
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (offs[mid] > g) hi = mid; else lo = mid + 1;
+  }
+  return lo;
+}
+
+// 16 E4M3 bytes of one hidden column (16 tokens) to out[col, tok0 .. tok0 + n).
+__device__ __forceinline__ void store_column_bytes(uint8_t* dst, const uint32_t (&o)[4], int n, bool vec16) {
+  if (vec16 && n == 16) {
+    *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (i < n) dst[i] = static_cast<uint8_t>(o[i >> 2] >> (8 * (i & 3)));
+    }
+  }
+}
+
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
+  __shared__ __align__(16) uint8_t tile[kTileRows * kTileRowBytes];  // 32 KB: 128 tokens x 128 bf16
+  const int tid = threadIdx.x, lane = tid & 31;
+  const Segments& seg = p.segments;
+  const int htiles = p.hidden / kTileCols;
+  const long long num_tiles = p.num_groups * htiles;
+  const long long n_out = p.rows;
+  for (long long v = blockIdx.x; v < num_tiles; v += gridDim.x) {
+    const long long g = v / htiles;
+    const int ht = static_cast<int>(v - g * htiles);
+    const int e = static_cast<int>(upper_bound_groups(p.group_offsets, seg.num + 1, g)) - 1;
+    const long long j = g - p.group_offsets[e];
+    const long long row0 = p.workspace[e] + j * kTileRows;
+    const long long len = load_index(seg.lens, seg.is64, e);
+    const int cnt = static_cast<int>(min(static_cast<long long>(kTileRows), len - j * kTileRows));
+
+    // Phase A: 128 rows x 4 MX blocks of this tile, one 16-byte load per (row, block); rows past the
+    // segment's end are zeros (the spec pads the last group with zeros).
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
+      uint4 raw = make_uint4(0, 0, 0, 0);
+      uint32_t sbyte = 0;
+      if (r < cnt) {
+        const long long row = row0 + r;
+        raw = load_packed<kVec16>(p.packed + row * p.packed_stride + ht * (kTileCols / 2) + q * 16);
+        sbyte = p.scales[row * p.scales_stride + ht * (kTileCols / kMxBlock) + q];
+      }
+      uint32_t hlo, hhi, llo, lhi;
+      block_tables(sbyte, hlo, hhi, llo, lhi);
+      uint8_t* trow = tile + r * kTileRowBytes;
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 0) * 16) = dequant8_bf16(raw.x, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 1) * 16) = dequant8_bf16(raw.y, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 2) * 16) = dequant8_bf16(raw.z, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 3) * 16) = dequant8_bf16(raw.w, hlo, hhi, llo, lhi);
+    }
+    __syncthreads();
+
+    // Phase B: thread (hp, tb) owns hidden columns 2hp, 2hp+1 and tokens 16tb .. 16tb+15.
+    const bool vec16 = ((n_out | row0) & 15) == 0;
+#pragma unroll 1
+    for (int s = 0; s < 2; ++s) {
+      const int u = tid + s * kThreads, tb = u & 7, hp = u >> 3;
+      const int k = hp >> 2;
+      uint32_t w[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int t = tb * 16 + i;
+        w[i] = *reinterpret_cast<const uint32_t*>(tile + t * kTileRowBytes + tile_chunk(t, k) * 16 + (hp & 3) * 4);
+      }
+      uint32_t m = 0;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) m = __vmaxu2(m, w[i] & 0x7FFF7FFFu);  // |bf16| bits, NaN on top
+#pragma unroll
+      for (int x = 1; x < 8; x <<= 1) m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, x));
+      const uint32_t s_lo = e4m3_scale_byte(m << 16), s_hi = e4m3_scale_byte(m & 0xFFFF0000u);
+      uint32_t o_lo[4] = {0, 0, 0, 0}, o_hi[4] = {0, 0, 0, 0};
+      if (s_lo != kUe8m0Nan) {
+        const float inv = ue8m0_inverse(s_lo);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          o_lo[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] << 16), inv),
+                           __fmul_rn(__uint_as_float(w[4 * c + 1] << 16), inv),
+                           __fmul_rn(__uint_as_float(w[4 * c + 2] << 16), inv),
+                           __fmul_rn(__uint_as_float(w[4 * c + 3] << 16), inv));
+        }
+      }
+      if (s_hi != kUe8m0Nan) {
+        const float inv = ue8m0_inverse(s_hi);
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          o_hi[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] & 0xFFFF0000u), inv),
+                           __fmul_rn(__uint_as_float(w[4 * c + 1] & 0xFFFF0000u), inv),
+                           __fmul_rn(__uint_as_float(w[4 * c + 2] & 0xFFFF0000u), inv),
+                           __fmul_rn(__uint_as_float(w[4 * c + 3] & 0xFFFF0000u), inv));
+        }
+      }
+      const long long col = static_cast<long long>(ht) * kTileCols + 2 * hp;
+      const int n = max(0, min(16, cnt - tb * 16));
+      uint8_t* dst = p.out + col * n_out + row0 + tb * 16;
+      if (n > 0) {
+        store_column_bytes(dst, o_lo, n, vec16);
+        store_column_bytes(dst + n_out, o_hi, n, vec16);
+      }
+      if (tb == 0) {
+        p.out_scales[col * p.num_groups + g] = ue8m0_value(s_lo);
+        p.out_scales[(col + 1) * p.num_groups + g] = ue8m0_value(s_hi);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Columns of rows outside every segment are zero.
+  const long long covered = p.workspace[seg.num];
+  if (seg.offsets == nullptr && covered >= p.rows) return;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + tid) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  for (long long row = warp; row < p.rows; row += num_warps) {
+    if (warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered)) continue;
+    for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * n_out + row] = 0;
+  }
+}
+
+int device_sms() {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  return sms > 0 ? sms : 1;
+}
+
+template <typename Kernel>
+int persistent_grid(Kernel kernel, long long work_blocks) {
+  int per_sm = 0;
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  const long long cap = static_cast<long long>(device_sms()) * (per_sm > 0 ? per_sm : 1);
+  return static_cast<int>(work_blocks < cap ? (work_blocks > 0 ? work_blocks : 1) : cap);
+}
+
+}  // namespace
+
+cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream) {
+  if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
+  const bool vec16 = ((p.packed_stride & 15) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 15) == 0);
+  const long long blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
+  if (vec16) {
+    auto k = sm90_mxfp4_to_fp8_rows_kernel<true>;
+    k<<<persistent_grid(k, blocks), kThreads, 0, stream>>>(p);
+  } else {
+    auto k = sm90_mxfp4_to_fp8_rows_kernel<false>;
+    k<<<persistent_grid(k, blocks), kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
+  sm90_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
+  if (p.rows <= 0 || p.hidden <= 0) return cudaGetLastError();
+  const bool vec16 = ((p.packed_stride & 15) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 15) == 0);
+  const long long tiles = p.num_groups * (p.hidden / kTileCols);
+  const long long zero_blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
+  const long long work = tiles > zero_blocks ? tiles : zero_blocks;
+  if (vec16) {
+    auto k = sm90_mxfp4_to_fp8_cols_kernel<true>;
+    k<<<persistent_grid(k, work), kThreads, 0, stream>>>(p);
+  } else {
+    auto k = sm90_mxfp4_to_fp8_cols_kernel<false>;
+    k<<<persistent_grid(k, work), kThreads, 0, stream>>>(p);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace moe_fp4

@@ -1,0 +1,226 @@
+// Quantizers from float rows: BF16ToFP4Row (MXFP4, optionally as byte rows at a caller-given row)
+// and BF16 -> FP8 1x128. One warp per row, 8 elements (one 16-byte load of bf16) per lane and item,
+// several items in flight per lane, block absolute maxima reduced with warp shuffles.
+#include "sm90_common.cuh"
+#include "sm90_launchers.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace moe_fp4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kUnroll = 4;  // items (16-byte loads) in flight per lane
+
+// Raw bits of 8 consecutive input elements: one 16-byte load for 16-bit inputs, two for float32.
+template <FloatInput kType>
+__device__ __forceinline__ void load_item(const void* row, int item, uint4 (&r)[2]) {
+  if constexpr (kType == FloatInput::kFloat32) {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const float*>(row) + item * 8);
+    r[0] = __ldcs(p);
+    r[1] = __ldcs(p + 1);
+  } else {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + item * 8);
+    r[0] = __ldcs(p);
+    r[1] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <FloatInput kType>
+__device__ __forceinline__ void item_to_float(const uint4 (&r)[2], float (&f)[8]) {
+  if constexpr (kType == FloatInput::kFloat32) {
+    f[0] = __uint_as_float(r[0].x); f[1] = __uint_as_float(r[0].y);
+    f[2] = __uint_as_float(r[0].z); f[3] = __uint_as_float(r[0].w);
+    f[4] = __uint_as_float(r[1].x); f[5] = __uint_as_float(r[1].y);
+    f[6] = __uint_as_float(r[1].z); f[7] = __uint_as_float(r[1].w);
+  } else {
+    const uint32_t w[4] = {r[0].x, r[0].y, r[0].z, r[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kType == FloatInput::kBFloat16) {
+        f[2 * i] = __uint_as_float(w[i] << 16);  // bf16 -> float32 is exact: the upper half
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      } else {
+        __half2 h;
+        memcpy(&h, &w[i], 4);
+        const float2 t = __half22float2(h);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
+
+template <FloatInput kType>
+__global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const QuantizeMxfp4Params p) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const int items = p.hidden / 8;  // 4 items per MX block
+  const size_t elem = kType == FloatInput::kFloat32 ? 4 : 2;
+  const bool aligned4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
+  for (long long t = warp; t < p.tokens; t += num_warps) {
+    const long long orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
+    if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
+    const void* xrow = static_cast<const char*>(p.x) + static_cast<size_t>(t) * p.x_stride * elem;
+    uint8_t* prow = p.packed + orow * p.packed_stride;
+    uint8_t* srow = p.scales + orow * p.scales_stride;
+    for (int base = 0; base < items; base += 32 * kUnroll) {
+      uint4 raw[kUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int item = base + u * 32 + lane;
+        if (item < items) {
+          load_item<kType>(xrow, item, raw[u]);
+        } else {
+          raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int item = base + u * 32 + lane;
+        float f[8];
+        item_to_float<kType>(raw[u], f);
+        // Absolute maximum as bits: NaN and Inf sort above every finite value.
+        uint32_t amax = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(f[i]));
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+        const uint32_t sbyte = e2m1_scale_byte(amax, p.round_up);
+        uint32_t codes = 0;  // a NaN/Inf block keeps all codes 0
+        if (sbyte != kUe8m0Nan) {
+          const float inv = ue8m0_inverse(sbyte);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const uint32_t sign = (__float_as_uint(f[i]) >> 28) & 8u;
+            codes |= (e2m1_magnitude(__fmul_rn(fabsf(f[i]), inv)) | sign) << (4 * i);
+          }
+        }
+        if (item < items) {
+          uint8_t* dst = prow + item * 4;
+          if (aligned4) {
+            *reinterpret_cast<uint32_t*>(dst) = codes;
+          } else {
+#pragma unroll
+            for (int b = 0; b < 4; ++b) dst[b] = static_cast<uint8_t>(codes >> (8 * b));
+          }
+          if ((lane & 3) == 0) srow[item >> 2] = static_cast<uint8_t>(sbyte);
+        }
+      }
+    }
+  }
+}
+
+template <FloatInput kType>
+__global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(const QuantizeFp8Params p) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const int items = p.hidden / 8;  // 16 items per 128-element group
+  const int groups = p.hidden / kFp8Group;
+  const size_t elem = kType == FloatInput::kFloat32 ? 4 : 2;
+  for (long long t = warp; t < p.tokens; t += num_warps) {
+    const void* xrow = static_cast<const char*>(p.x) + static_cast<size_t>(t) * p.x_stride * elem;
+    uint8_t* orow = p.out + t * p.hidden;
+    float* srow = p.out_scales + t * groups;
+    for (int base = 0; base < items; base += 32 * kUnroll) {
+      uint4 raw[kUnroll][2];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int item = base + u * 32 + lane;
+        if (item < items) {
+          load_item<kType>(xrow, item, raw[u]);
+        } else {
+          raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int item = base + u * 32 + lane;
+        float f[8];
+        item_to_float<kType>(raw[u], f);
+        uint32_t amax = 0;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(f[i]));
+#pragma unroll
+        for (int m = 1; m < 16; m <<= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
+        const uint32_t sbyte = e4m3_scale_byte(amax);
+        uint2 out = make_uint2(0, 0);  // NaN/Inf group: zero data, NaN scale
+        if (sbyte != kUe8m0Nan) {
+          const float inv = ue8m0_inverse(sbyte);
+          out.x = e4m3x4(__fmul_rn(f[0], inv), __fmul_rn(f[1], inv), __fmul_rn(f[2], inv), __fmul_rn(f[3], inv));
+          out.y = e4m3x4(__fmul_rn(f[4], inv), __fmul_rn(f[5], inv), __fmul_rn(f[6], inv), __fmul_rn(f[7], inv));
+        }
+        if (item < items) {
+          *reinterpret_cast<uint2*>(orow + item * 8) = out;
+          if ((lane & 15) == 0) srow[item >> 4] = ue8m0_value(sbyte);
+        }
+      }
+    }
+  }
+}
+
+// Blocks for a persistent grid: enough to fill every SM at the kernel's occupancy, no more than the
+// rows need (one warp per row).
+template <typename Kernel>
+int grid_for_rows(Kernel kernel, long long rows) {
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  const long long need = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  const long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  return static_cast<int>(need < cap ? (need > 0 ? need : 1) : cap);
+}
+
+}  // namespace
+
+cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream) {
+  if (p.tokens <= 0 || p.hidden <= 0) return cudaSuccess;
+  switch (p.x_type) {
+    case FloatInput::kFloat32: {
+      auto k = sm90_quantize_mxfp4_kernel<FloatInput::kFloat32>;
+      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      break;
+    }
+    case FloatInput::kBFloat16: {
+      auto k = sm90_quantize_mxfp4_kernel<FloatInput::kBFloat16>;
+      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      break;
+    }
+    case FloatInput::kFloat16: {
+      auto k = sm90_quantize_mxfp4_kernel<FloatInput::kFloat16>;
+      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      break;
+    }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream) {
+  if (p.tokens <= 0 || p.hidden <= 0) return cudaSuccess;
+  switch (p.x_type) {
+    case FloatInput::kFloat32: {
+      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat32>;
+      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      break;
+    }
+    case FloatInput::kBFloat16: {
+      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kBFloat16>;
+      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      break;
+    }
+    case FloatInput::kFloat16: {
+      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat16>;
+      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      break;
+    }
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace moe_fp4

@@ -1,0 +1,280 @@
+// The thin torch binding of the sm90_ conversion kernels: argument checks (each naming the argument
+// and what was expected), output allocation, the current CUDA stream. The torch.library custom ops
+// over these functions, their fake implementations and the CPU fallback live in moe_fp4/ops.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+
+#include "sm90_launchers.h"
+
+namespace {
+
+using at::Tensor;
+
+#define MOE_FP4_CHECK_CUDA(t, name) \
+  TORCH_CHECK((t).is_cuda(), name ": expected a CUDA tensor, got device ", (t).device())
+#define MOE_FP4_CHECK_DTYPE(t, dtype, name) \
+  TORCH_CHECK((t).scalar_type() == (dtype), name ": expected dtype ", (dtype), ", got ", (t).scalar_type())
+#define MOE_FP4_CHECK_DIM(t, n, name) \
+  TORCH_CHECK((t).dim() == (n), name ": expected ", (n), " dimensions, got shape ", (t).sizes())
+#define MOE_FP4_CHECK_INNER(t, name) \
+  TORCH_CHECK((t).size(-1) <= 1 || (t).stride(-1) == 1, name ": expected a contiguous last dimension, got strides ", (t).strides())
+#define MOE_FP4_CHECK_SAME_DEVICE(t, ref, name) \
+  TORCH_CHECK((t).device() == (ref).device(), name ": expected device ", (ref).device(), ", got ", (t).device())
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, what, ": CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+moe_fp4::FloatInput float_input(const Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return moe_fp4::FloatInput::kFloat32;
+    case at::kBFloat16: return moe_fp4::FloatInput::kBFloat16;
+    case at::kHalf: return moe_fp4::FloatInput::kFloat16;
+    default: TORCH_CHECK(false, "x: expected dtype float32, bfloat16 or float16, got ", x.scalar_type());
+  }
+}
+
+void check_float_rows(const Tensor& x, int64_t block) {
+  MOE_FP4_CHECK_CUDA(x, "x");
+  float_input(x);
+  MOE_FP4_CHECK_DIM(x, 2, "x");
+  MOE_FP4_CHECK_INNER(x, "x");
+  TORCH_CHECK(x.size(1) % block == 0, "x: last dimension (", x.size(1), ") must be a multiple of ", block);
+  TORCH_CHECK(x.size(0) <= 1 || (x.stride(0) * x.element_size()) % 16 == 0,
+              "x: rows must start 16 bytes apart (row stride ", x.stride(0), " elements)");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, "x: data must be 16-byte aligned");
+}
+
+// Ragged segments: lens/offsets int32 or int64 1-D on x's device, offsets' shape and dtype matching lens.
+moe_fp4::Segments segments_of(const std::optional<Tensor>& lens, const std::optional<Tensor>& offsets,
+                              const Tensor& ref) {
+  moe_fp4::Segments s;
+  if (!lens.has_value()) {
+    TORCH_CHECK(!offsets.has_value(), "split_offsets: given without split_lens");
+    return s;
+  }
+  const Tensor& l = *lens;
+  MOE_FP4_CHECK_SAME_DEVICE(l, ref, "split_lens");
+  TORCH_CHECK(l.scalar_type() == at::kInt || l.scalar_type() == at::kLong,
+              "split_lens: expected dtype int32 or int64, got ", l.scalar_type());
+  MOE_FP4_CHECK_DIM(l, 1, "split_lens");
+  TORCH_CHECK(l.is_contiguous(), "split_lens: expected a contiguous tensor");
+  s.lens = l.data_ptr();
+  s.is64 = l.scalar_type() == at::kLong;
+  s.num = static_cast<int>(l.size(0));
+  if (offsets.has_value()) {
+    const Tensor& o = *offsets;
+    MOE_FP4_CHECK_SAME_DEVICE(o, ref, "split_offsets");
+    TORCH_CHECK(o.scalar_type() == l.scalar_type(), "split_offsets: expected dtype ", l.scalar_type(),
+                " (that of split_lens), got ", o.scalar_type());
+    TORCH_CHECK(o.sizes() == l.sizes(), "split_offsets: expected shape ", l.sizes(), ", got ", o.sizes());
+    TORCH_CHECK(o.is_contiguous(), "split_offsets: expected a contiguous tensor");
+    s.offsets = o.data_ptr();
+  }
+  return s;
+}
+
+// x [T, H] float -> (packed uint8 [T, H/2], scales uint8 [T, H/32]).
+std::tuple<Tensor, Tensor> quantize_mxfp4(const Tensor& x, bool round_up) {
+  check_float_rows(x, 32);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0), h = x.size(1);
+  auto opts = x.options().dtype(at::kByte);
+  Tensor packed = at::empty({t, h / 2}, opts), scales = at::empty({t, h / 32}, opts);
+  moe_fp4::QuantizeMxfp4Params p{};
+  p.x = x.data_ptr();
+  p.x_type = float_input(x);
+  p.x_stride = x.stride(0);
+  p.packed = packed.data_ptr<uint8_t>();
+  p.packed_stride = h / 2;
+  p.scales = scales.data_ptr<uint8_t>();
+  p.scales_stride = h / 32;
+  p.row_index = nullptr;
+  p.out_rows = t;
+  p.tokens = t;
+  p.hidden = static_cast<int>(h);
+  p.round_up = round_up;
+  check_launch(moe_fp4::launch_quantize_mxfp4(p, at::cuda::getCurrentCUDAStream()), "quantize_mxfp4");
+  return {packed, scales};
+}
+
+// x [T, H] float -> byte rows written into out uint8 [R, H/2 + H/32]: token t to row row_index[t]
+// (or row t). Returns nothing; out is modified in place.
+void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const std::optional<Tensor>& row_index) {
+  check_float_rows(x, 32);
+  const int64_t t = x.size(0), h = x.size(1), width = h / 2 + h / 32;
+  MOE_FP4_CHECK_SAME_DEVICE(out, x, "out");
+  MOE_FP4_CHECK_DTYPE(out, at::kByte, "out");
+  MOE_FP4_CHECK_DIM(out, 2, "out");
+  TORCH_CHECK(out.size(1) == width, "out: expected ", width, " bytes per row for hidden ", h, ", got ", out.size(1));
+  MOE_FP4_CHECK_INNER(out, "out");
+  const c10::cuda::CUDAGuard guard(x.device());
+  moe_fp4::QuantizeMxfp4Params p{};
+  if (row_index.has_value()) {
+    const Tensor& ri = *row_index;
+    MOE_FP4_CHECK_SAME_DEVICE(ri, x, "row_index");
+    TORCH_CHECK(ri.scalar_type() == at::kInt || ri.scalar_type() == at::kLong,
+                "row_index: expected dtype int32 or int64, got ", ri.scalar_type());
+    TORCH_CHECK(ri.dim() == 1 && ri.size(0) == t, "row_index: expected shape [", t, "], got ", ri.sizes());
+    TORCH_CHECK(ri.is_contiguous(), "row_index: expected a contiguous tensor");
+    p.row_index = ri.data_ptr();
+    p.row_index_is64 = ri.scalar_type() == at::kLong;
+  } else {
+    TORCH_CHECK(out.size(0) >= t, "out: expected at least ", t, " rows (one per token), got ", out.size(0));
+    p.row_index = nullptr;
+  }
+  p.x = x.data_ptr();
+  p.x_type = float_input(x);
+  p.x_stride = x.stride(0);
+  p.packed = out.data_ptr<uint8_t>();
+  p.packed_stride = out.stride(0);
+  p.scales = out.data_ptr<uint8_t>() + h / 2;
+  p.scales_stride = out.stride(0);
+  p.out_rows = out.size(0);
+  p.tokens = t;
+  p.hidden = static_cast<int>(h);
+  p.round_up = round_up;
+  check_launch(moe_fp4::launch_quantize_mxfp4(p, at::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
+}
+
+std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint8_t* packed, int64_t packed_stride,
+                                                   const uint8_t* scales, int64_t scales_stride, int64_t n,
+                                                   int64_t h, const std::optional<Tensor>& split_lens,
+                                                   const std::optional<Tensor>& split_offsets) {
+  TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed) % 4 == 0 && packed_stride % 4 == 0,
+              "packed: rows must be 4-byte aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales) % 4 == 0 && scales_stride % 4 == 0,
+              "scales: rows must be 4-byte aligned");
+  const c10::cuda::CUDAGuard guard(ref.device());
+  Tensor out = at::empty({n, h}, ref.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({n, h / 128}, ref.options().dtype(at::kFloat));
+  Tensor underflow = at::zeros({}, ref.options().dtype(at::kLong));
+  moe_fp4::Mxfp4ToFp8RowsParams p{};
+  p.packed = packed;
+  p.packed_stride = packed_stride;
+  p.scales = scales;
+  p.scales_stride = scales_stride;
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.underflow = reinterpret_cast<unsigned long long*>(underflow.data_ptr<int64_t>());
+  p.rows = n;
+  p.hidden = static_cast<int>(h);
+  p.segments = segments_of(split_lens, split_offsets, ref);
+  check_launch(moe_fp4::launch_mxfp4_to_fp8_rows(p, at::cuda::getCurrentCUDAStream()), "mxfp4_to_fp8_blockwise");
+  return {out, out_scales, underflow};
+}
+
+void check_packed_scales(const Tensor& packed, const Tensor& scales) {
+  MOE_FP4_CHECK_CUDA(packed, "packed");
+  MOE_FP4_CHECK_DTYPE(packed, at::kByte, "packed");
+  MOE_FP4_CHECK_DIM(packed, 2, "packed");
+  MOE_FP4_CHECK_INNER(packed, "packed");
+  MOE_FP4_CHECK_SAME_DEVICE(scales, packed, "scales");
+  MOE_FP4_CHECK_DTYPE(scales, at::kByte, "scales");
+  MOE_FP4_CHECK_DIM(scales, 2, "scales");
+  MOE_FP4_CHECK_INNER(scales, "scales");
+  TORCH_CHECK(scales.size(0) == packed.size(0) && scales.size(1) * 16 == packed.size(1),
+              "scales: expected shape [", packed.size(0), ", ", packed.size(1) / 16, "] for packed of shape ",
+              packed.sizes(), ", got ", scales.sizes());
+}
+
+// packed uint8 [N, H/2], scales uint8 [N, H/32] -> (e4m3 [N, H], float32 [N, H/128], int64 underflow).
+std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_rows(const Tensor& packed, const Tensor& scales,
+                                                     const std::optional<Tensor>& split_lens,
+                                                     const std::optional<Tensor>& split_offsets) {
+  check_packed_scales(packed, scales);
+  return fp8_rows_common(packed, packed.data_ptr<uint8_t>(), packed.stride(0), scales.data_ptr<uint8_t>(),
+                         scales.stride(0), packed.size(0), packed.size(1) * 2, split_lens, split_offsets);
+}
+
+// rows uint8 [N, H/2 + H/32] (byte rows) -> as mxfp4_to_fp8_rows.
+std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& rows, int64_t hidden,
+                                                               const std::optional<Tensor>& split_lens,
+                                                               const std::optional<Tensor>& split_offsets) {
+  MOE_FP4_CHECK_CUDA(rows, "rows");
+  MOE_FP4_CHECK_DTYPE(rows, at::kByte, "rows");
+  MOE_FP4_CHECK_DIM(rows, 2, "rows");
+  MOE_FP4_CHECK_INNER(rows, "rows");
+  TORCH_CHECK(hidden > 0 && hidden % 128 == 0, "hidden: expected a positive multiple of 128, got ", hidden);
+  TORCH_CHECK(rows.size(1) == hidden / 2 + hidden / 32, "rows: expected ", hidden / 2 + hidden / 32,
+              " bytes per row for hidden ", hidden, ", got ", rows.size(1));
+  const uint8_t* base = rows.data_ptr<uint8_t>();
+  return fp8_rows_common(rows, base, rows.stride(0), base + hidden / 2, rows.stride(0), rows.size(0), hidden,
+                         split_lens, split_offsets);
+}
+
+// packed uint8 [N, H/2], scales uint8 [N, H/32], split_lens [E] (and offsets) -> (e4m3 [H, N],
+// float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller.
+std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
+                                                     const Tensor& split_lens,
+                                                     const std::optional<Tensor>& split_offsets,
+                                                     int64_t num_groups) {
+  check_packed_scales(packed, scales);
+  const int64_t n = packed.size(0), h = packed.size(1) * 2;
+  TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
+  TORCH_CHECK(num_groups >= 0, "num_groups: expected a non-negative count, got ", num_groups);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && packed.stride(0) % 4 == 0,
+              "packed: rows must be 4-byte aligned");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  moe_fp4::Mxfp4ToFp8ColsParams p{};
+  p.segments = segments_of(split_lens, split_offsets, packed);
+  Tensor out = at::empty({h, n}, packed.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({h, num_groups}, packed.options().dtype(at::kFloat));
+  Tensor group_offsets = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
+  Tensor workspace = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
+  p.packed = packed.data_ptr<uint8_t>();
+  p.packed_stride = packed.stride(0);
+  p.scales = scales.data_ptr<uint8_t>();
+  p.scales_stride = scales.stride(0);
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.group_offsets = group_offsets.data_ptr<int64_t>();
+  p.workspace = workspace.data_ptr<int64_t>();
+  p.rows = n;
+  p.hidden = static_cast<int>(h);
+  p.num_groups = num_groups;
+  check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, at::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
+  return {out, out_scales, group_offsets};
+}
+
+// x [T, H] float, H % 128 == 0 -> (e4m3 [T, H], float32 [T, H/128]).
+std::tuple<Tensor, Tensor> quantize_fp8_blockwise(const Tensor& x) {
+  check_float_rows(x, 128);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0), h = x.size(1);
+  Tensor out = at::empty({t, h}, x.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({t, h / 128}, x.options().dtype(at::kFloat));
+  moe_fp4::QuantizeFp8Params p{};
+  p.x = x.data_ptr();
+  p.x_type = float_input(x);
+  p.x_stride = x.stride(0);
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.tokens = t;
+  p.hidden = static_cast<int>(h);
+  check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, at::cuda::getCurrentCUDAStream()), "quantize_fp8_blockwise");
+  return {out, out_scales};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "moe_fp4 native conversion kernels (sm_90a); use them through moe_fp4.ops";
+  m.def("quantize_mxfp4", &quantize_mxfp4, "x [T,H] float -> (packed u8 [T,H/2], scales u8 [T,H/32])",
+        py::arg("x"), py::arg("round_up"));
+  m.def("quantize_mxfp4_rows_into", &quantize_mxfp4_rows_into,
+        "x [T,H] float -> byte rows written into out u8 [R,H/2+H/32] at row_index", py::arg("x"),
+        py::arg("round_up"), py::arg("out"), py::arg("row_index"));
+  m.def("mxfp4_to_fp8_rows", &mxfp4_to_fp8_rows, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),
+        py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"));
+  m.def("mxfp4_byte_rows_to_fp8_rows", &mxfp4_byte_rows_to_fp8_rows, "MXFP4 byte rows -> FP8 1x128 rows",
+        py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
+  m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
+        py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"));
+  m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
+}
