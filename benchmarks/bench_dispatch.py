@@ -1,0 +1,14 @@
+"""Dispatch/combine benchmark per payload format (bf16, fp8, mxfp4, nvfp4) at DeepSeek-V3 shapes.
+
+    python benchmarks/bench_dispatch.py [options]       # same as: python -m moe_fp4 bench dispatch
+    torchrun --nproc-per-node=2 benchmarks/bench_dispatch.py --out benchmarks/results/dispatch.md
+
+See moe_fp4/ep/bench.py for the columns and options.
+"""
+
+import sys
+
+from moe_fp4.ep.bench import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""`python -m moe_fp4 bench dispatch`: dispatch/combine time and wire bytes per payload format.
+
+Per token count and payload format, on every rank of a process group (NCCL on GPUs, gloo on CPU):
+  wire MB      payload bytes this rank sends in one dispatch (rows x row bytes; the small metadata
+               exchange of a full dispatch is not counted)
+  a2a us       the raw all_to_all_single of the same uint8 buffers with the same split sizes: the
+               measured ceiling for those bytes
+  layout us    a full dispatch: layout, count exchange (the one host sync), metadata exchange and
+               the payload (DeepEP's non-cached dispatch)
+  dispatch us  a cached-handle dispatch: encode + gather + all-to-all + expansion to expert order
+  GB/s         wire bytes / dispatch time, per rank; link = a2a time / dispatch time (the share of
+               the raw all-to-all rate reached for the same bytes)
+  combine us   combine of BF16 expert outputs with the payload format as its wire format
+  e2e us       BF16 tokens to FP8 1x128 expert inputs: encode + all-to-all + expansion + conversion
+Times are medians over iterations of the slowest rank's time. Tokens are routed uniformly at random
+(top-k of random scores, distinct experts), experts split evenly over the ranks.
+
+Run under torchrun (one process per GPU), or plainly: the command then starts one process per
+visible GPU (NCCL), or 2 CPU processes (gloo) without GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+FORMATS = ("bf16", "fp8", "mxfp4", "nvfp4")
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m moe_fp4 bench dispatch", description=__doc__.split("\n")[0])
+    p.add_argument("--tokens", default=None, help="tokens per rank, comma separated (GPU default 4096,8192,16384; "
+                   "CPU default 512)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (GPU default 7168, CPU default 1024)")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--formats", default=",".join(FORMATS))
+    p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU default 20, CPU 3)")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--world", type=int, default=None, help="processes to start when not under torchrun")
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None)
+    p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
+    a = p.parse_args(argv)
+    gpu = torch.cuda.is_available() and a.backend != "gloo"
+    a.backend = a.backend or ("nccl" if gpu else "gloo")
+    a.tokens = [int(t) for t in (a.tokens or ("4096,8192,16384" if gpu else "512")).split(",")]
+    a.hidden = a.hidden or (7168 if gpu else 1024)
+    a.iters = a.iters or (20 if gpu else 3)
+    a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 1)
+    a.formats = [f for f in a.formats.split(",") if f]
+    for f in a.formats:
+        if f not in FORMATS:
+            p.error(f"--formats: unknown format {f!r}")
+    return a
+
+
+class _Timer:
+    """Median over iterations of the slowest rank's time for ``fn`` (ms)."""
+
+    def __init__(self, dist, group, device, iters, warmup):
+        self.dist, self.group, self.device, self.iters, self.warmup = dist, group, device, iters, warmup
+
+    def __call__(self, fn) -> float:
+        cuda = self.device.type == "cuda"
+        times = []
+        for i in range(self.warmup + self.iters):
+            if cuda:
+                torch.cuda.synchronize()
+            self.dist.barrier(group=self.group)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                ms = start.elapsed_time(end)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                ms = (time.perf_counter() - t0) * 1e3
+            if i >= self.warmup:
+                times.append(ms)
+        t = torch.tensor(times, dtype=torch.float64, device=self.device)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.group)
+        return statistics.median(t.tolist())
+
+
+def _native_state() -> str:
+    try:
+        from moe_fp4 import ops
+    except Exception as e:  # noqa: BLE001
+        return f"moe_fp4.ops unavailable ({type(e).__name__})"
+    have = [n for n in ("quantize_mxfp4_rows", "mxfp4_rows_to_fp8_blockwise", "quantize_fp8_blockwise")
+            if hasattr(ops, n)]
+    native = getattr(ops, "native_available", None)
+    try:
+        state = bool(native()) if native else False
+    except Exception:  # noqa: BLE001
+        state = False
+    return f"native ops built: {state}; ops present: {', '.join(have) or 'none'}"
+
+
+def _routing(t, k, num_experts, device, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    scores = torch.rand(t, num_experts, generator=g)
+    w, idx = torch.topk(scores, k, dim=1)
+    return idx.to(device), (w / w.sum(1, keepdim=True)).to(device)
+
+
+def _run(args) -> list[dict]:
+    import torch.distributed as dist
+
+    from moe_fp4.ep import Buffer, get_payload
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
+    timer = _Timer(dist, None, device, args.iters, args.warmup)
+    rows_out = []
+    for t in args.tokens:
+        idx, w = _routing(t, args.topk, args.experts, device, seed=1234 + rank)
+        x = torch.randn(t, args.hidden, device=device, dtype=torch.bfloat16)
+        buf = Buffer(args.experts, payload="bf16")
+        for name in args.formats:
+            codec = get_payload(name)
+            out = buf.dispatch(x, idx, w, payload=codec)
+            h = out.handle
+            wire = sum(h.send_counts) * codec.row_bytes(args.hidden)
+            send = torch.empty(sum(h.send_counts), codec.row_bytes(args.hidden), dtype=torch.uint8, device=device)
+            send.random_(0, 256)
+            recv = torch.empty(sum(h.recv_counts), send.shape[1], dtype=torch.uint8, device=device)
+            a2a_ms = timer(lambda: dist.all_to_all_single(recv, send, h.recv_counts, h.send_counts))
+            del send, recv
+            layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
+            disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
+            e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True))
+            y = out.values(torch.bfloat16)
+            comb_ms = timer(lambda: buf.combine(y, h, payload=codec))
+            del y, out
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            gbs = wire / (disp_ms * 1e-3) / 1e9
+            rows_out.append(dict(tokens=t, fmt=name, row_bytes=codec.row_bytes(args.hidden), wire_mb=wire / 1e6,
+                                 a2a_us=a2a_ms * 1e3, a2a_gbs=wire / (a2a_ms * 1e-3) / 1e9, layout_us=layout_ms * 1e3,
+                                 disp_us=disp_ms * 1e3, gbs=gbs, link=a2a_ms / disp_ms, comb_us=comb_ms * 1e3,
+                                 e2e_us=e2e_ms * 1e3))
+    return rows_out
+
+
+def format_table(rows: list[dict]) -> str:
+    head = ("| tokens/rank | format | row B | wire MB | a2a us | a2a GB/s | layout us | dispatch us | GB/s | "
+            "link | combine us | e2e us | e2e vs bf16 | e2e vs fp8 |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        same = [q for q in rows if q["tokens"] == r["tokens"]]
+        ref = {q["fmt"]: q["e2e_us"] for q in same}
+        vs_bf16 = f"{r['e2e_us'] / ref['bf16']:.2f}x" if "bf16" in ref else "-"
+        vs_fp8 = f"{r['e2e_us'] / ref['fp8']:.2f}x" if "fp8" in ref else "-"
+        lines.append(f"| {r['tokens']} | {r['fmt']} | {r['row_bytes']} | {r['wire_mb']:.1f} | {r['a2a_us']:.0f} | "
+                     f"{r['a2a_gbs']:.1f} | {r['layout_us']:.0f} | {r['disp_us']:.0f} | {r['gbs']:.1f} | "
+                     f"{100 * r['link']:.0f}% | {r['comb_us']:.0f} | {r['e2e_us']:.0f} | {vs_bf16} | {vs_fp8} |")
+    return "\n".join(lines)
+
+
+def goals(rows: list[dict]) -> list[str]:
+    out = []
+    for t in sorted({r["tokens"] for r in rows}):
+        ref = {r["fmt"]: r for r in rows if r["tokens"] == t}
+        if "mxfp4" in ref and "fp8" in ref and "bf16" in ref:
+            a = ref["mxfp4"]["e2e_us"] / ref["fp8"]["e2e_us"]
+            b = ref["mxfp4"]["e2e_us"] / ref["bf16"]["e2e_us"]
+            out.append(f"tokens {t}: mxfp4 e2e = {a:.2f}x fp8 (goal <= 0.60: {'met' if a <= 0.6 else 'NOT met'}), "
+                       f"{b:.2f}x bf16 (goal <= 0.35: {'met' if b <= 0.35 else 'NOT met'})")
+        links = ", ".join(f"{f} {100 * r['link']:.0f}%" for f, r in ref.items())
+        ok = all(r["link"] >= 0.85 for r in ref.values())
+        out.append(f"tokens {t}: link use (raw a2a time / dispatch time): {links} "
+                   f"(goal >= 85%: {'met' if ok else 'NOT met'})")
+    return out
+
+
+def _worker(rank, world, init_file, args, result_file):
+    import torch.distributed as dist
+
+    if args.backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        rows = _run(args)
+        if rank == 0:
+            torch.save(rows, result_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        import torch.distributed as dist
+
+        if args.backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(args.backend)
+        rows = _run(args)
+        world = dist.get_world_size()
+        is_root = dist.get_rank() == 0
+        dist.destroy_process_group()
+    else:
+        import torch.multiprocessing as mp
+
+        world = args.world or (torch.cuda.device_count() if args.backend == "nccl" else 2)
+        if world < 1:
+            print("bench dispatch: no process to run", file=sys.stderr)
+            return 2
+        with tempfile.TemporaryDirectory() as d:
+            result = os.path.join(d, "rows.pt")
+            mp.spawn(_worker, args=(world, os.path.join(d, "init"), args, result), nprocs=world, join=True)
+            rows = torch.load(result)
+        is_root = True
+    if not is_root:
+        return 0
+    if args.backend == "nccl":
+        device = f"{world} x {torch.cuda.get_device_name(0)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+    else:
+        device = f"{world} CPU processes (gloo), {os.cpu_count()} cores"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    header = (f"dispatch benchmark: hidden {args.hidden}, top-{args.topk}, {args.experts} experts over {world} ranks, "
+              f"median of {args.iters} iterations\ndevice: {device}; torch {torch.__version__}; {stamp}\n"
+              f"{_native_state()}")
+    table = format_table(rows)
+    summary = "\n".join(goals(rows))
+    text = f"{header}\n\n{table}\n\n{summary}\n"
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+__all__ = ["main", "format_table", "goals"]
