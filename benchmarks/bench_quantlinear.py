@@ -1,0 +1,185 @@
+"""QuantLinear throughput per recipe against nn.Linear in BF16, and the FP8 blockwise GEMM alone.
+
+Question: what does each recipe cost per linear layer on this GPU? The MX / NVFP4 recipes are
+emulated (spec quantize -> dequantize -> BF16 GEMM), so they measure the price of emulation, not
+of FP4/FP8 hardware; the blockwise FP8 recipe runs real FP8 GEMMs (torch._scaled_mm) but still
+quantizes through the reference spec (plain PyTorch, many kernels per tensor). The GEMM-only rows
+show what the FP8 tensor cores give once the operands are quantized.
+
+Timing: CUDA events, median of --reps after --warmup calls; forward and forward+backward of a
+layer with BF16 input [M, K] and weight [N, K]; TFLOP/s counts 2*M*N*K per GEMM (3 GEMMs for
+forward+backward). Peaks for the share column: H100/H200 SXM dense 989 TFLOP/s BF16, 1979 FP8.
+
+Usage: python benchmarks/bench_quantlinear.py --out DIR [--shapes 4096x4096x4096,8192x8192x8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moe_fp4.formats import quantize_fp8_blockwise  # noqa: E402
+from moe_fp4.recipes import (  # noqa: E402
+    FP8BlockwiseRecipe,
+    MXFP4Recipe,
+    MXFP8Recipe,
+    NVFP4Recipe,
+    QuantLinear,
+    fp8_blockwise_scaled_mm,
+    scaled_mm_status,
+)
+
+PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
+
+
+def cases():
+    g = {"gemm_dtype": "bfloat16"}
+    return {
+        "nn.Linear bf16": None,
+        "MXFP8 (emulated)": MXFP8Recipe(**g),
+        "NVFP4 all techniques (emulated)": NVFP4Recipe(**g),
+        "MXFP4 (emulated)": MXFP4Recipe(**g),
+        "FP8 blockwise (emulated)": FP8BlockwiseRecipe(backend="emulate", **g),
+        "FP8 blockwise (torch._scaled_mm)": FP8BlockwiseRecipe(backend="scaled_mm", **g),
+    }
+
+
+def timed(fn, warmup: int, reps: int) -> float:
+    """Median milliseconds of fn() over reps CUDA-event-timed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_layer(recipe, m, n, k, warmup, reps):
+    if recipe is None:
+        layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    else:
+        layer = QuantLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, recipe=recipe)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def fwd():
+        with torch.no_grad():
+            layer(x)
+
+    def fwd_bwd():
+        x.grad = None
+        layer.weight.grad = None
+        layer(x).backward(g)
+
+    return timed(fwd, warmup, reps), timed(fwd_bwd, warmup, reps)
+
+
+def bench_gemm_only(m, n, k, warmup, reps):
+    """BF16 matmul vs the blockwise FP8 GEMM on pre-quantized operands (fprop and wgrad layouts)."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    out = {"bf16 matmul": timed(lambda: torch.matmul(x, w.t()), warmup, reps)}
+    xa, sx = quantize_fp8_blockwise(x, block=(1, 128))
+    wb, sw = quantize_fp8_blockwise(w, block=(128, 128))
+    wr, swr = quantize_fp8_blockwise(w, block=(1, 128))
+    for label, args in (("fp8 1x128 x 128x128 (fprop/dgrad)", (xa, sx, (1, 128), wb, sw, (128, 128))),
+                        ("fp8 1x128 x 1x128 (wgrad)", (xa, sx, (1, 128), wr, swr, (1, 128)))):
+        try:
+            out[label] = timed(lambda a=args: fp8_blockwise_scaled_mm(*a), warmup, reps)
+        except RuntimeError as err:
+            out[label] = f"refused: {str(err).strip().splitlines()[0] if str(err).strip() else 'RuntimeError'}"
+    return out
+
+
+def check_real_vs_emulated(r=512, c=384, length=640):
+    """max |real - emulated| / max |emulated| of ``A @ B^T`` (A [r, L], B [c, L]) for the operand
+    blocks of each GEMM: the same quantized operands, so only accumulation and the BF16 output differ."""
+    torch.manual_seed(0)
+    a = torch.randn(r, length, device="cuda")
+    b = torch.randn(c, length, device="cuda")
+    real, emu = FP8BlockwiseRecipe(backend="scaled_mm"), FP8BlockwiseRecipe(backend="emulate")
+    res = {}
+    for gemm in ("fprop", "dgrad", "wgrad"):
+        try:
+            e = emu.gemm_nt(a, b, gemm=gemm)
+            res[gemm] = float((real.gemm_nt(a, b, gemm=gemm) - e).abs().max() / e.abs().max())
+        except (RuntimeError, ValueError) as err:
+            res[gemm] = f"error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shapes", default="4096x4096x4096,8192x8192x8192", help="MxNxK list")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--reps", type=int, default=5)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", flush=True)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "command": "python benchmarks/bench_quantlinear.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    results = {"meta": meta, "real_vs_emulated_rel_err": check_real_vs_emulated(), "layers": [], "gemm_only": []}
+    print("real vs emulated FP8 blockwise:", results["real_vs_emulated_rel_err"], flush=True)
+    lines = ["| M x N x K | recipe | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | vs nn.Linear bf16 (fwd+bwd) |",
+             "|---|---|---|---|---|---|"]
+    for shape in args.shapes.split(","):
+        m, n, k = (int(v) for v in shape.split("x"))
+        flops = 2.0 * m * n * k
+        base = None
+        for label, rec in cases().items():
+            try:
+                f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps)
+            except (RuntimeError, ValueError) as err:
+                msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                lines.append(f"| {shape} | {label} | failed: {msg[:80]} | | | |")
+                continue
+            finally:
+                torch.cuda.empty_cache()
+            base = fb if rec is None else base
+            ratio = f"{base / fb:.3f}x speed" if base else "—"
+            lines.append(f"| {shape} | {label} | {f:.2f} | {fb:.2f} | {3 * flops / fb / 1e9:.0f} | {ratio} |")
+            results["layers"].append({"shape": shape, "recipe": label, "fwd_ms": f, "fwd_bwd_ms": fb})
+            print(lines[-1], flush=True)
+        g = bench_gemm_only(m, n, k, args.warmup + 2, max(args.reps, 10))
+        results["gemm_only"].append({"shape": shape, **g})
+        print(shape, g, flush=True)
+    gl = ["| M x N x K | GEMM | ms | TFLOP/s | share of dense peak | vs bf16 matmul |", "|---|---|---|---|---|---|"]
+    for row in results["gemm_only"]:
+        m, n, k = (int(v) for v in row["shape"].split("x"))
+        flops = 2.0 * m * n * k
+        for label, ms in row.items():
+            if label == "shape":
+                continue
+            if isinstance(ms, str):
+                gl.append(f"| {row['shape']} | {label} | {ms} | | | |")
+                continue
+            peak = PEAK_TFLOPS["bf16" if label.startswith("bf16") else "fp8"]
+            tf = flops / ms / 1e9
+            gl.append(f"| {row['shape']} | {label} | {ms:.3f} | {tf:.0f} | {100 * tf / peak:.0f}% of {peak:.0f} | "
+                      f"{row['bf16 matmul'] / ms:.2f}x |")
+    results["scaled_mm_status"] = {k: (v if v is True else str(v)) for k, v in scaled_mm_status().items()}
+    text = "\n".join(lines) + "\n\n" + "\n".join(gl) + "\n"
+    (args.out / "bench_quantlinear.md").write_text(text)
+    (args.out / "bench_quantlinear.json").write_text(json.dumps(results, indent=1))
+    print(text, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
