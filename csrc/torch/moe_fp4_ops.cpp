@@ -1,7 +1,7 @@
 // The thin torch binding of the sm90_ conversion kernels: argument checks (each naming the argument
 // and what was expected), output allocation, the current CUDA stream. The torch.library custom ops
 // over these functions, their fake implementations and the CPU fallback live in moe_fp4/ops.
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
@@ -98,7 +98,7 @@ std::tuple<Tensor, Tensor> quantize_mxfp4(const Tensor& x, bool round_up) {
   p.tokens = t;
   p.hidden = static_cast<int>(h);
   p.round_up = round_up;
-  check_launch(moe_fp4::launch_quantize_mxfp4(p, at::cuda::getCurrentCUDAStream()), "quantize_mxfp4");
+  check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4");
   return {packed, scales};
 }
 
@@ -138,7 +138,7 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
   p.tokens = t;
   p.hidden = static_cast<int>(h);
   p.round_up = round_up;
-  check_launch(moe_fp4::launch_quantize_mxfp4(p, at::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
+  check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
 }
 
 std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint8_t* packed, int64_t packed_stride,
@@ -165,7 +165,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint
   p.rows = n;
   p.hidden = static_cast<int>(h);
   p.segments = segments_of(split_lens, split_offsets, ref);
-  check_launch(moe_fp4::launch_mxfp4_to_fp8_rows(p, at::cuda::getCurrentCUDAStream()), "mxfp4_to_fp8_blockwise");
+  check_launch(moe_fp4::launch_mxfp4_to_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_to_fp8_blockwise");
   return {out, out_scales, underflow};
 }
 
@@ -233,12 +233,12 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.scales_stride = scales.stride(0);
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.out_scales = out_scales.data_ptr<float>();
-  p.group_offsets = group_offsets.data_ptr<int64_t>();
-  p.workspace = workspace.data_ptr<int64_t>();
+  p.group_offsets = reinterpret_cast<long long*>(group_offsets.data_ptr<int64_t>());
+  p.workspace = reinterpret_cast<long long*>(workspace.data_ptr<int64_t>());
   p.rows = n;
   p.hidden = static_cast<int>(h);
   p.num_groups = num_groups;
-  check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, at::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
+  check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
   return {out, out_scales, group_offsets};
 }
 
@@ -257,7 +257,7 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(const Tensor& x) {
   p.out_scales = out_scales.data_ptr<float>();
   p.tokens = t;
   p.hidden = static_cast<int>(h);
-  check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, at::cuda::getCurrentCUDAStream()), "quantize_fp8_blockwise");
+  check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_blockwise");
   return {out, out_scales};
 }
 
