@@ -224,22 +224,34 @@ def write_report(results, meta, out: Path):
     except ImportError:
         print("matplotlib missing: no plot", flush=True)
         return
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    def moving_mean(ys, k):
+        c = [0.0]
+        for v in ys:
+            c.append(c[-1] + v)
+        return [(c[i + 1] - c[max(0, i + 1 - k)]) / (i + 1 - max(0, i + 1 - k)) for i in range(len(ys))]
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
+    base_curve = base["train_losses"] if base is not None else None
     for r in results:
         ys = r["train_losses"]
-        k = max(1, len(ys) // 40)
-        smooth = [sum(ys[max(0, i - k + 1): i + 1]) / len(ys[max(0, i - k + 1): i + 1]) for i in range(len(ys))]
+        smooth = moving_mean(ys, max(1, len(ys) // 25))
         style = "--" if r["name"].startswith("bf16") else "-"
         axes[0].plot(smooth, style, label=r["name"], lw=1.2)
         half = len(smooth) // 2
         axes[1].plot(range(half, len(smooth)), smooth[half:], style, label=r["name"], lw=1.2)
-    axes[0].set_title("training loss (moving mean)")
+        if base_curve is not None and len(base_curve) == len(ys):
+            # same batches in every run: the per-step difference cancels most of the batch noise
+            diff = moving_mean([a - b for a, b in zip(ys, base_curve)], max(1, len(ys) // 10))
+            axes[2].plot(diff, style, label=r["name"], lw=1.2)
+    axes[0].set_title("training loss (moving mean over 4% of the steps)")
     axes[1].set_title("second half, zoomed")
+    axes[2].set_title("loss minus BF16's, same batch (moving mean over 10%)")
+    axes[2].axhline(0.0, color="k", lw=0.6)
     for ax in axes:
         ax.set_xlabel("step")
-        ax.set_ylabel("cross-entropy (nats / byte)")
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=8)
+    axes[0].set_ylabel("cross-entropy (nats / byte)")
+    axes[2].legend(fontsize=8)
     fig.suptitle(f"small GPT on stdlib bytes: {meta['model']}, {meta['steps']} steps, {meta['device']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=110)
