@@ -114,12 +114,32 @@ def _routing(t, k, num_experts, device, seed):
     return idx.to(device), (w / w.sum(1, keepdim=True)).to(device)
 
 
+def _measure(timer, dist, buf, x, idx, w, codec, hidden, device) -> dict:
+    out = buf.dispatch(x, idx, w, payload=codec)
+    h = out.handle
+    row_bytes = codec.row_bytes(hidden)
+    wire = sum(h.send_counts) * row_bytes
+    bufs = [torch.empty(sum(h.recv_counts), row_bytes, dtype=torch.uint8, device=device),
+            torch.empty(sum(h.send_counts), row_bytes, dtype=torch.uint8, device=device).random_(0, 256)]
+    a2a_ms = timer(lambda: dist.all_to_all_single(bufs[0], bufs[1], h.recv_counts, h.send_counts))
+    bufs.clear()
+    layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
+    disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
+    e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)
+    y = out.values(torch.bfloat16)
+    del out
+    comb_ms = timer(lambda: buf.combine(y, h, payload=codec))
+    return dict(row_bytes=row_bytes, wire_mb=wire / 1e6, a2a_us=a2a_ms * 1e3, a2a_gbs=wire / (a2a_ms * 1e-3) / 1e9,
+                layout_us=layout_ms * 1e3, disp_us=disp_ms * 1e3, gbs=wire / (disp_ms * 1e-3) / 1e9,
+                link=a2a_ms / disp_ms, comb_us=comb_ms * 1e3, e2e_us=e2e_ms * 1e3)
+
+
 def _run(args) -> list[dict]:
     import torch.distributed as dist
 
     from moe_fp4.ep import Buffer, get_payload
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
     timer = _Timer(dist, None, device, args.iters, args.warmup)
     rows_out = []
@@ -128,28 +148,10 @@ def _run(args) -> list[dict]:
         x = torch.randn(t, args.hidden, device=device, dtype=torch.bfloat16)
         buf = Buffer(args.experts, payload="bf16")
         for name in args.formats:
-            codec = get_payload(name)
-            out = buf.dispatch(x, idx, w, payload=codec)
-            h = out.handle
-            wire = sum(h.send_counts) * codec.row_bytes(args.hidden)
-            send = torch.empty(sum(h.send_counts), codec.row_bytes(args.hidden), dtype=torch.uint8, device=device)
-            send.random_(0, 256)
-            recv = torch.empty(sum(h.recv_counts), send.shape[1], dtype=torch.uint8, device=device)
-            a2a_ms = timer(lambda: dist.all_to_all_single(recv, send, h.recv_counts, h.send_counts))
-            del send, recv
-            layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
-            disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
-            e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True))
-            y = out.values(torch.bfloat16)
-            comb_ms = timer(lambda: buf.combine(y, h, payload=codec))
-            del y, out
+            r = _measure(timer, dist, buf, x, idx, w, get_payload(name), args.hidden, device)
+            rows_out.append(dict(tokens=t, fmt=name, **r))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            gbs = wire / (disp_ms * 1e-3) / 1e9
-            rows_out.append(dict(tokens=t, fmt=name, row_bytes=codec.row_bytes(args.hidden), wire_mb=wire / 1e6,
-                                 a2a_us=a2a_ms * 1e3, a2a_gbs=wire / (a2a_ms * 1e-3) / 1e9, layout_us=layout_ms * 1e3,
-                                 disp_us=disp_ms * 1e3, gbs=gbs, link=a2a_ms / disp_ms, comb_us=comb_ms * 1e3,
-                                 e2e_us=e2e_ms * 1e3))
     return rows_out
 
 

@@ -24,7 +24,7 @@ weighted the expert outputs). Its arithmetic, which the tests reproduce bit for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -87,23 +87,35 @@ class DispatchHandle:
         return self.num_experts // self.world_size
 
 
-@dataclass
 class DispatchOutput:
     """The receiver's side of a dispatch.
 
-    rows: uint8 [N, payload.row_bytes(H)], one per (token, local slot), grouped by local expert;
+    recv_rows: uint8 [n_recv, row_bytes], one per received token (grouped by source rank), as they
+      arrived;
+    rows: uint8 [N, payload.row_bytes(H)], one per (token, local slot), grouped by local expert
+      (gathered from recv_rows on first access);
     split_lens / split_offsets: int64 [L], expert e's rows are [off_e, off_e + len_e);
     tokens_per_expert: host ints [L] (the same lengths);
     recv_topk_idx: int64 [n_recv, k] local expert ids per received token (-1: not on this rank);
     recv_topk_weights: float32 [n_recv, k] or None;
-    fp8: (float8_e4m3fn [N, H], float32 [N, H/128]) when asked for, else None;
+    row_weights: float32 [N] or None, the top-k weight of each output row;
+    fp8: (float8_e4m3fn [N, H], float32 [N, H/128]) in the order of ``rows`` once
+      ``to_fp8_blockwise`` ran (dispatch's ``return_fp8=True``), else None;
     handle: for combine and for cached dispatches."""
 
-    rows: torch.Tensor
-    payload: PayloadCodec
-    hidden: int
-    handle: DispatchHandle
-    fp8: tuple[torch.Tensor, torch.Tensor] | None = field(default=None)
+    def __init__(self, recv_rows: torch.Tensor, payload: PayloadCodec, hidden: int, handle: DispatchHandle):
+        self.recv_rows = recv_rows
+        self.payload = payload
+        self.hidden = hidden
+        self.handle = handle
+        self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        if self._rows is None:
+            self._rows = self.recv_rows.index_select(0, self.handle.expand_row)
+        return self._rows
 
     @property
     def split_lens(self) -> torch.Tensor:
@@ -130,13 +142,15 @@ class DispatchOutput:
         return self.handle.row_weights
 
     def values(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        """The received rows decoded: ``dtype`` [N, H]."""
+        """The output rows decoded: ``dtype`` [N, H]."""
         return self.payload.decode(self.rows, self.hidden, dtype=dtype)
 
     def to_fp8_blockwise(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(float8_e4m3fn [N, H], float32 [N, H/128]), the FP8 1x128 operand of the expert GEMMs."""
+        """(float8_e4m3fn [N, H], float32 [N, H/128]) in the order of ``rows``: the FP8 1x128
+        operand of the expert GEMMs. Each received token is converted once, then gathered to its
+        rows (the conversion is row by row, so the bits equal converting ``rows``)."""
         if self.fp8 is None:
-            self.fp8 = self.payload.to_fp8_blockwise(self.rows, self.hidden, self.split_lens, self.split_offsets)
+            self.fp8 = self.payload.gather_fp8_blockwise(self.recv_rows, self.hidden, self.handle.expand_row)
         return self.fp8
 
 
@@ -244,8 +258,7 @@ class Buffer:
         send_rows = rows.index_select(0, handle.send_token)
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
         self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
-        out_rows = recv_rows.index_select(0, handle.expand_row)
-        out = DispatchOutput(rows=out_rows, payload=codec, hidden=hidden, handle=handle)
+        out = DispatchOutput(recv_rows, codec, hidden, handle)
         if return_fp8:
             out.to_fp8_blockwise()
         return out

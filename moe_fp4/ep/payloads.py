@@ -92,6 +92,13 @@ class PayloadCodec:
         values = self.decode(rows, hidden)
         return _quantize_fp8(values)
 
+    def gather_fp8_blockwise(self, rows: torch.Tensor, hidden: int,
+                             index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows uint8 [n, row_bytes(H)], index int64 [N] -> the FP8 1x128 operand of rows[index]:
+        (float8_e4m3fn [N, H], float32 [N, H/128]). Converts each row once, then gathers."""
+        data, scales = self.to_fp8_blockwise(rows, hidden)
+        return data.index_select(0, index), scales.index_select(0, index)
+
     def empty_rows(self, hidden: int, device) -> torch.Tensor:
         return torch.empty(0, self.row_bytes(hidden), dtype=torch.uint8, device=device)
 
@@ -163,6 +170,13 @@ class FP8Payload(PayloadCodec):
 
     def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
         return self.split(rows, hidden)
+
+    def gather_fp8_blockwise(self, rows, hidden, index):
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        # gather straight out of the byte rows: one pass, no intermediate copy
+        data = rows[:, :hidden].index_select(0, index).view(torch.float8_e4m3fn)
+        scales = rows[:, hidden:].index_select(0, index).view(torch.float32)
+        return data, scales
 
 
 class MXFP4Payload(PayloadCodec):
