@@ -51,12 +51,20 @@ def cases():
     }
 
 
+DEVICE = "cuda"
+
+
 def timed(fn, warmup: int, reps: int) -> float:
-    """Median milliseconds of fn() over reps CUDA-event-timed calls."""
+    """Median milliseconds of fn() over reps CUDA-event-timed calls (wall clock on the CPU)."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        if DEVICE != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+            continue
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
@@ -68,11 +76,11 @@ def timed(fn, warmup: int, reps: int) -> float:
 
 def bench_layer(recipe, m, n, k, warmup, reps):
     if recipe is None:
-        layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+        layer = torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16)
     else:
-        layer = QuantLinear(k, n, bias=False, device="cuda", dtype=torch.bfloat16, recipe=recipe)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    g = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+        layer = QuantLinear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16, recipe=recipe)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(m, n, device=DEVICE, dtype=torch.bfloat16)
 
     def fwd():
         with torch.no_grad():
@@ -88,8 +96,8 @@ def bench_layer(recipe, m, n, k, warmup, reps):
 
 def bench_gemm_only(m, n, k, warmup, reps):
     """BF16 matmul vs the blockwise FP8 GEMM on pre-quantized operands (fprop and wgrad layouts)."""
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
     out = {"bf16 matmul": timed(lambda: torch.matmul(x, w.t()), warmup, reps)}
     xa, sx = quantize_fp8_blockwise(x, block=(1, 128))
     wb, sw = quantize_fp8_blockwise(w, block=(128, 128))
@@ -98,8 +106,14 @@ def bench_gemm_only(m, n, k, warmup, reps):
                         ("fp8 1x128 x 1x128 (wgrad)", (xa, sx, (1, 128), wr, swr, (1, 128)))):
         try:
             out[label] = timed(lambda a=args: fp8_blockwise_scaled_mm(*a), warmup, reps)
-        except RuntimeError as err:
-            out[label] = f"refused: {str(err).strip().splitlines()[0] if str(err).strip() else 'RuntimeError'}"
+        except Exception as err:  # noqa: BLE001 - report whatever the GEMM raised
+            out[label] = f"refused: {' '.join(str(err).split())[:300] or type(err).__name__}"
+    one = torch.ones((), device=x.device)
+    try:  # the plain FP8 GEMM (one scale per tensor): the tensor cores' FP8 rate, for reference
+        out["fp8 tensorwise (reference)"] = timed(
+            lambda: torch._scaled_mm(xa, wb.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16), warmup, reps)
+    except Exception as err:  # noqa: BLE001
+        out["fp8 tensorwise (reference)"] = f"refused: {' '.join(str(err).split())[:200] or type(err).__name__}"
     return out
 
 
@@ -107,16 +121,16 @@ def check_real_vs_emulated(r=512, c=384, length=640):
     """max |real - emulated| / max |emulated| of ``A @ B^T`` (A [r, L], B [c, L]) for the operand
     blocks of each GEMM: the same quantized operands, so only accumulation and the BF16 output differ."""
     torch.manual_seed(0)
-    a = torch.randn(r, length, device="cuda")
-    b = torch.randn(c, length, device="cuda")
+    a = torch.randn(r, length, device=DEVICE)
+    b = torch.randn(c, length, device=DEVICE)
     real, emu = FP8BlockwiseRecipe(backend="scaled_mm"), FP8BlockwiseRecipe(backend="emulate")
     res = {}
     for gemm in ("fprop", "dgrad", "wgrad"):
         try:
             e = emu.gemm_nt(a, b, gemm=gemm)
             res[gemm] = float((real.gemm_nt(a, b, gemm=gemm) - e).abs().max() / e.abs().max())
-        except (RuntimeError, ValueError) as err:
-            res[gemm] = f"error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+        except Exception as err:  # noqa: BLE001 - report whatever the GEMM raised
+            res[gemm] = f"error: {' '.join(str(err).split())[:300] or type(err).__name__}"
     return res
 
 
@@ -126,12 +140,16 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="4096x4096x4096,8192x8192x8192", help="MxNxK list")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--cpu", action="store_true", help="smoke run on the CPU (no real FP8 GEMM there)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", flush=True)
+    global DEVICE
+    DEVICE = "cpu" if args.cpu else "cuda"
+    if DEVICE == "cuda" and not torch.cuda.is_available():
+        print("needs a CUDA GPU (or --cpu for a smoke run)", flush=True)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": torch.cuda.get_device_name(),
+    meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "command": "python benchmarks/bench_quantlinear.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     results = {"meta": meta, "real_vs_emulated_rel_err": check_real_vs_emulated(), "layers": [], "gemm_only": []}
@@ -145,12 +163,14 @@ def main(argv=None) -> int:
         for label, rec in cases().items():
             try:
                 f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps)
-            except (RuntimeError, ValueError) as err:
-                msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            except Exception as err:  # noqa: BLE001 - report whatever the layer raised
+                msg = " ".join(str(err).split())[:300] or type(err).__name__
+                print(f"{shape} {label} failed: {msg}", flush=True)
                 lines.append(f"| {shape} | {label} | failed: {msg[:80]} | | | |")
                 continue
             finally:
-                torch.cuda.empty_cache()
+                if DEVICE == "cuda":
+                    torch.cuda.empty_cache()
             base = fb if rec is None else base
             ratio = f"{base / fb:.3f}x speed" if base else "—"
             lines.append(f"| {shape} | {label} | {f:.2f} | {fb:.2f} | {3 * flops / fb / 1e9:.0f} | {ratio} |")

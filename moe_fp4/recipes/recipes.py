@@ -371,12 +371,12 @@ def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool)
     db, sb = quantize_fp8_blockwise(b, block=block_b)
     try:
         out = fp8_blockwise_scaled_mm(da, sa, block_a, db, sb, block_b)
-    except RuntimeError as err:  # the layouts this torch / cuBLAS build does not take
+    except (RuntimeError, ValueError, NotImplementedError) as err:  # layouts this torch / cuBLAS refuses
         if strict:
             raise
         import warnings
 
-        _SCALED_MM_STATE[key] = (str(err).strip().splitlines() or ["RuntimeError"])[0]
+        _SCALED_MM_STATE[key] = (" ".join(str(err).split()) or type(err).__name__)[:600]
         warnings.warn(f"torch._scaled_mm refused blockwise FP8 {key} ({_SCALED_MM_STATE[key]}); "
                       f"FP8BlockwiseRecipe emulates {gemm}", stacklevel=3)
         return None
