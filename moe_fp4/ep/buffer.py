@@ -284,8 +284,8 @@ class Buffer:
             layout = dispatch_layout(topk_idx, n_exp, w)
             info[:, 0] = layout.num_tokens_per_rank
             info[:, 1:sig_at] = layout.num_tokens_per_expert.reshape(w, ell)
-            info[:, sig_at:inv_at] = torch.tensor(
-                [x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1)], device=dev)
+            for i, v in enumerate((x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1))):
+                info[:, sig_at + i] = v  # a fill, not a host-to-device copy (which would sync)
             info[:, inv_at] = layout.invalid
             info[:, slot_at:slot_at + k] = layout.num_slots_per_rank
         else:

@@ -21,6 +21,8 @@ direct MXFP4 -> FP8 conversion (no BF16 detour), bf16 and nvfp4 rows are quantiz
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from moe_fp4 import formats
@@ -28,16 +30,28 @@ from moe_fp4 import formats
 FP8_GROUP = 128
 
 
-def _ops_fn(name: str, t: torch.Tensor):
-    """The native op ``moe_fp4.ops.<name>`` for CUDA tensors when the package provides it, else None.
-    The ops fall back to the spec themselves; on CPU the spec is called directly."""
-    if not t.is_cuda:
+_NATIVE_FAILED: set[str] = set()
+
+
+def _native(name: str, t: torch.Tensor, *args, **kwargs):
+    """``moe_fp4.ops.<name>(*args, **kwargs)`` for CUDA tensors when the package provides it, else
+    None (the caller then uses the spec). The ops give the spec's bytes; on CPU the spec is called
+    directly. An op that rejects the call is reported once and not tried again."""
+    if not t.is_cuda or name in _NATIVE_FAILED:
         return None
     try:
         from moe_fp4 import ops
     except Exception:  # the ops package may be missing or half-built: use the spec
         return None
-    return getattr(ops, name, None)
+    fn = getattr(ops, name, None)
+    if fn is None:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        _NATIVE_FAILED.add(name)
+        warnings.warn(f"moe_fp4.ops.{name} rejected a payload call ({e}); using the spec instead", stacklevel=3)
+        return None
 
 
 def _check_rows(rows: torch.Tensor, width: int, hidden: int, name: str = "rows") -> None:
@@ -119,9 +133,9 @@ def _quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = values.shape[1]
         return (torch.empty(0, h, dtype=torch.float8_e4m3fn, device=values.device),
                 torch.empty(0, h // FP8_GROUP, dtype=torch.float32, device=values.device))
-    fn = _ops_fn("quantize_fp8_blockwise", values)
-    if fn is not None:
-        return fn(values)
+    got = _native("quantize_fp8_blockwise", values, values)
+    if got is not None:
+        return got[0], got[1]
     return formats.quantize_fp8_blockwise(values, block=(1, FP8_GROUP))
 
 
@@ -199,9 +213,9 @@ class MXFP4Payload(PayloadCodec):
         self._check_x(x)
         if x.shape[0] == 0:
             return self.empty_rows(x.shape[1], x.device)
-        fn = _ops_fn("quantize_mxfp4_rows", x)
-        if fn is not None:
-            return fn(x, scale_rounding=self.scale_rounding)
+        got = _native("quantize_mxfp4_rows", x, x, scale_rounding=self.scale_rounding)
+        if got is not None:
+            return got
         packed, scales = formats.quantize_mxfp4(x, scale_rounding=self.scale_rounding)
         return formats.pack_mxfp4_rows(packed, scales)
 
@@ -215,10 +229,10 @@ class MXFP4Payload(PayloadCodec):
             raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
         if rows.shape[0] == 0:
             return _quantize_fp8(torch.empty(0, hidden, device=rows.device))
-        fn = _ops_fn("mxfp4_rows_to_fp8_blockwise", rows)
-        if fn is not None:
-            data, scales, _underflow = fn(rows, hidden, split_lens=split_lens, split_offsets=split_offsets)
-            return data, scales
+        got = _native("mxfp4_rows_to_fp8_blockwise", rows, rows, hidden, split_lens=split_lens,
+                      split_offsets=split_offsets)
+        if got is not None:
+            return got[0], got[1]
         packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
         data, fp32_scales, _underflow = formats.mxfp4_to_fp8_blockwise(packed, scales)
         return data, fp32_scales
