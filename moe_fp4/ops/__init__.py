@@ -1,0 +1,255 @@
+"""Native conversion ops (CUDA, sm_90a) with the signatures of the spec, moe_fp4.formats.
+
+Every op returns exactly the bits that the spec returns for the same inputs. On CPU tensors, or on
+CUDA where the extension cannot be built, the op runs the spec itself. The ops are torch.library
+custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile traces them.
+
+  quantize_mxfp4               BF16ToFP4Row: float [T, H] -> packed E2M1 [T, H/2] + UE8M0 [T, H/32]
+  quantize_mxfp4_rows          the same as byte rows [R, H/2 + H/32], optionally at given rows (dispatch)
+  mxfp4_to_fp8_blockwise       FP4RowToFP8Row: MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
+  mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
+  mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
+  quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
+  native_available, build      the extension: whether it is usable here; build/load it
+
+The extension is compiled with ninja through torch.utils.cpp_extension on first use on a CUDA
+device (or by ``python -m moe_fp4 build``) and cached.
+
+Environment variables:
+  MOE_FP4_BUILD_DIR      where the compiled extension is cached
+                         (default ~/.cache/moe_fp4/torch<version>-cuda<version>)
+  MOE_FP4_NATIVE         auto (default): native ops on CUDA when the extension builds, else the spec
+                         with a warning; 0: always the spec; 1: a failed build raises
+  MOE_FP4_BUILD_VERBOSE  1: print the compiler commands while building
+  MOE_FP4_CSRC           the csrc/ folder to build from (default: the one beside the package)
+
+Ragged segments (``split_lens`` / ``split_offsets``, int32 or int64 [E] on the input's device): rows
+[offsets[e], offsets[e] + lens[e]) belong to expert e; offsets None means back to back from row 0.
+The row conversions read them on the device (no host sync); the column conversion needs the total
+group count for its output shape and reads the lengths on the host once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp4 import formats
+from moe_fp4.ops import _native, _ops
+
+__all__ = [
+    "build",
+    "mxfp4_rows_to_fp8_blockwise",
+    "mxfp4_rows_to_fp8_cols",
+    "mxfp4_to_fp8_blockwise",
+    "native_available",
+    "quantize_fp8_blockwise",
+    "quantize_mxfp4",
+    "quantize_mxfp4_rows",
+]
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_INDEX = (torch.int32, torch.int64)
+
+
+def native_available() -> bool:
+    """True when the native ops run here (a Hopper GPU and a built or buildable extension)."""
+    return _native.available()
+
+
+def build(verbose: bool = False):
+    """Build (or load from the cache) the native extension and return its module. Raises
+    RuntimeError naming what is missing (CUDA torch, toolkit, Hopper GPU, ninja, sources)."""
+    return _native.build(verbose=verbose)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks (ValueError naming the argument and what was expected)
+# ------------------------------------------------------------------------------------------------
+
+
+def _tensor(t, name, dtypes, dim=None):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype in ({', '.join(map(str, dtypes))}), got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimension(s), got shape {tuple(t.shape)}")
+
+
+def _float_rows(x, block):
+    _tensor(x, "x", _FLOATS, 2)
+    if x.shape[1] % block:
+        raise ValueError(f"x: last dimension ({x.shape[1]}) must be a multiple of {block}")
+    if x.shape[1] and x.stride(1) != 1:
+        raise ValueError(f"x: expected a contiguous last dimension, got strides {x.stride()}")
+    if x.is_cuda and (x.data_ptr() % 16 or (x.shape[0] > 1 and (x.stride(0) * x.element_size()) % 16)):
+        raise ValueError("x: rows must be 16-byte aligned")
+
+
+def _rounding(scale_rounding):
+    if scale_rounding not in ("up", "down"):
+        raise ValueError(f"scale_rounding: expected 'up' or 'down', got {scale_rounding!r}")
+
+
+def _same_device(t, ref, name):
+    if t.device != ref.device:
+        raise ValueError(f"{name}: expected device {ref.device}, got {t.device}")
+
+
+def _splits(split_lens, split_offsets, ref, required=False):
+    if split_lens is None:
+        if required:
+            raise ValueError("split_lens: expected an int32/int64 tensor [E], got None")
+        if split_offsets is not None:
+            raise ValueError("split_offsets: given without split_lens")
+        return
+    _tensor(split_lens, "split_lens", _INDEX, 1)
+    _same_device(split_lens, ref, "split_lens")
+    if split_offsets is not None:
+        _tensor(split_offsets, "split_offsets", (split_lens.dtype,), 1)
+        _same_device(split_offsets, ref, "split_offsets")
+        if split_offsets.shape != split_lens.shape:
+            raise ValueError(f"split_offsets: expected shape {tuple(split_lens.shape)}, got {tuple(split_offsets.shape)}")
+
+
+def _packed_scales(packed, scales, fp8=True):
+    _tensor(packed, "packed", (torch.uint8,), 2)
+    _tensor(scales, "scales", (torch.uint8,), 2)
+    _same_device(scales, packed, "scales")
+    h = packed.shape[1] * 2
+    if tuple(scales.shape) != (packed.shape[0], h // 32) or h % 32:
+        raise ValueError(f"scales: expected shape {(packed.shape[0], h // 32)} for packed of shape "
+                         f"{tuple(packed.shape)}, got {tuple(scales.shape)}")
+    if fp8 and h % formats.FP8_GROUP:
+        raise ValueError(f"packed: hidden size {h} (last dimension times 2) must be a multiple of "
+                         f"{formats.FP8_GROUP} for FP8 1x128 outputs")
+
+
+# ------------------------------------------------------------------------------------------------
+# Public ops
+# ------------------------------------------------------------------------------------------------
+
+
+def quantize_mxfp4(x: torch.Tensor, *, scale_rounding: str = "up") -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16ToFP4Row: MXFP4 along the last dimension (formats.quantize_mxfp4, round to nearest even).
+
+    x: bfloat16/float32/float16 [T, H], H a multiple of 32, contiguous last dimension.
+    scale_rounding: "up" (amax/6 rounded up to a power of two) or "down" (the OCP floor).
+    Returns (packed uint8 [T, H/2], element 2i in the low nibble; scales uint8 [T, H/32], UE8M0).
+    """
+    _float_rows(x, 32)
+    _rounding(scale_rounding)
+    return _ops.quantize_mxfp4_op(x, scale_rounding)
+
+
+def quantize_mxfp4_rows(
+    x: torch.Tensor,
+    *,
+    scale_rounding: str = "up",
+    out: torch.Tensor | None = None,
+    row_index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """BF16ToFP4Row writing byte rows (the dispatch payload): each token as H/2 packed bytes followed
+    by its H/32 scale bytes (formats.pack_mxfp4_rows of formats.quantize_mxfp4).
+
+    x: bfloat16/float32/float16 [T, H], H a multiple of 32.
+    out: uint8 [R, H/2 + H/32] written in place, or None for a new [T, H/2 + H/32] tensor in token order.
+    row_index: int32/int64 [T] on x's device, the row of out for each token (needs out; values in
+      [0, R) and distinct; a token whose row is outside [0, R) is skipped); None: token t -> row t.
+    Returns out (or the new tensor). Rows of out that no token targets are left untouched.
+    """
+    _float_rows(x, 32)
+    _rounding(scale_rounding)
+    width = formats.mxfp4_row_bytes(x.shape[1])
+    if out is None:
+        if row_index is not None:
+            raise ValueError("out: required when row_index is given (the rows it indexes)")
+        return _ops.quantize_mxfp4_rows_op(x, scale_rounding)
+    _tensor(out, "out", (torch.uint8,), 2)
+    _same_device(out, x, "out")
+    if out.shape[1] != width:
+        raise ValueError(f"out: expected {width} bytes per row for hidden {x.shape[1]}, got {out.shape[1]}")
+    if out.shape[1] and out.stride(1) != 1:
+        raise ValueError(f"out: expected a contiguous last dimension, got strides {out.stride()}")
+    if row_index is None:
+        if out.shape[0] < x.shape[0]:
+            raise ValueError(f"out: expected at least {x.shape[0]} rows (one per token), got {out.shape[0]}")
+    else:
+        _tensor(row_index, "row_index", _INDEX, 1)
+        _same_device(row_index, x, "row_index")
+        if row_index.shape[0] != x.shape[0]:
+            raise ValueError(f"row_index: expected shape ({x.shape[0]},), got {tuple(row_index.shape)}")
+    _ops.quantize_mxfp4_rows_into_op(x, scale_rounding, out, row_index)
+    return out
+
+
+def mxfp4_to_fp8_blockwise(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    split_lens: torch.Tensor | None = None,
+    split_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP4RowToFP8Row: direct MXFP4 -> FP8 1x128 (formats.mxfp4_to_fp8_blockwise), no BF16 detour.
+
+    packed uint8 [N, H/2], scales uint8 [N, H/32], H a multiple of 128.
+    split_lens / split_offsets: optional ragged segments (see the module docstring); rows outside
+      every segment get ZERO data and ZERO scales and count no underflow.
+    Returns (data float8_e4m3fn [N, H], scales float32 [N, H/128] (powers of two; NaN for a group
+    holding a NaN block), underflow int64 0-dim: nonzero MXFP4 values that became zero).
+    """
+    _packed_scales(packed, scales)
+    _splits(split_lens, split_offsets, packed)
+    return _ops.mxfp4_to_fp8_blockwise_op(packed, scales, split_lens, split_offsets)
+
+
+def mxfp4_rows_to_fp8_blockwise(
+    rows: torch.Tensor,
+    hidden: int,
+    split_lens: torch.Tensor | None = None,
+    split_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mxfp4_to_fp8_blockwise reading MXFP4 byte rows directly.
+
+    rows: uint8 [N, H/2 + H/32] (formats.pack_mxfp4_rows layout); hidden: H, a multiple of 128.
+    Same splits and results as mxfp4_to_fp8_blockwise (rows outside every segment: zero data/scales).
+    """
+    _tensor(rows, "rows", (torch.uint8,), 2)
+    if not isinstance(hidden, int) or hidden <= 0 or hidden % formats.FP8_GROUP:
+        raise ValueError(f"hidden: expected a positive multiple of {formats.FP8_GROUP}, got {hidden!r}")
+    if rows.shape[1] != formats.mxfp4_row_bytes(hidden):
+        raise ValueError(f"rows: expected {formats.mxfp4_row_bytes(hidden)} bytes per row for hidden {hidden}, "
+                         f"got {rows.shape[1]}")
+    _splits(split_lens, split_offsets, rows)
+    return _ops.mxfp4_rows_to_fp8_blockwise_op(rows, hidden, split_lens, split_offsets)
+
+
+def mxfp4_rows_to_fp8_cols(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    split_lens: torch.Tensor,
+    split_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP4RowToFP8Col: MXFP4 rows grouped by expert -> FP8 columns, one transposed block per expert
+    (formats.mxfp4_rows_to_fp8_cols: dequantize, transpose, requantize 1x128 along the tokens).
+
+    packed uint8 [N, H/2], scales uint8 [N, H/32] (H a multiple of 128); split_lens int [E],
+    split_offsets int [E] or None (back to back from row 0); validated as formats.check_splits does.
+    Returns (data float8_e4m3fn [H, N]: columns of rows outside every segment are zero;
+             scales float32 [H, G], G = sum_e ceil(len_e / 128): expert e owns columns
+               [goff_e, goff_e + ceil(len_e / 128));
+             group_offsets int64 [E + 1] on the input's device: goff_e, then G).
+    """
+    _packed_scales(packed, scales)
+    _splits(split_lens, split_offsets, packed, required=True)
+    return _ops.mxfp4_rows_to_fp8_cols_op(packed, scales, split_lens, split_offsets)
+
+
+def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """BF16 -> FP8 1x128 (formats.quantize_fp8_blockwise with block (1, 128)).
+
+    x: bfloat16/float32/float16 [T, H], H a multiple of 128 (other H raise ValueError).
+    Returns (data float8_e4m3fn [T, H], scales float32 [T, H/128], powers of two; NaN for a group
+    holding NaN or Inf, whose data is zero).
+    """
+    _float_rows(x, formats.FP8_GROUP)
+    return _ops.quantize_fp8_blockwise_op(x)

@@ -1,0 +1,193 @@
+"""torch.library custom ops over the native kernels, their fake (meta) implementations, and the spec
+fallback used on CPU or where the extension is not built.
+
+Every op computes exactly what moe_fp4.formats computes (bit for bit); the public functions in
+moe_fp4.ops check their arguments (ValueError naming the argument) and call these ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moe_fp4 import formats
+from moe_fp4.formats.ragged import check_splits
+from moe_fp4.ops import _native
+
+LIB = "moe_fp4"
+FP8 = torch.float8_e4m3fn
+
+
+def _native_for(t: torch.Tensor) -> bool:
+    return t.is_cuda and _native.available()
+
+
+def _round_up(scale_rounding: str) -> bool:
+    return scale_rounding == "up"
+
+
+# ------------------------------------------------------------------------------------------------
+# Spec fallbacks (CPU, or CUDA without the extension)
+# ------------------------------------------------------------------------------------------------
+
+
+def _segment_rows(split_lens: torch.Tensor, split_offsets: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    """int64 indices of the rows inside the segments (validated like the spec's check_splits)."""
+    offs = check_splits(split_lens, split_offsets, n).cpu().tolist()
+    lens = split_lens.to(torch.int64).cpu().tolist()
+    parts = [torch.arange(o, o + ln, dtype=torch.int64) for o, ln in zip(offs, lens) if ln > 0]
+    idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return idx.to(device)
+
+
+def _spec_fp8_rows(packed, scales, split_lens, split_offsets):
+    if split_lens is None:
+        return formats.mxfp4_to_fp8_blockwise(packed, scales)
+    n, h = packed.shape[0], packed.shape[1] * 2
+    idx = _segment_rows(split_lens, split_offsets, n, packed.device)
+    data = torch.zeros(n, h, dtype=torch.uint8, device=packed.device)
+    out_scales = torch.zeros(n, h // formats.FP8_GROUP, dtype=torch.float32, device=packed.device)
+    d, s, underflow = formats.mxfp4_to_fp8_blockwise(packed[idx], scales[idx])
+    data[idx] = d.view(torch.uint8)
+    out_scales[idx] = s
+    return data.view(FP8), out_scales, underflow
+
+
+def _spec_rows_into(x, scale_rounding, out, row_index):
+    packed, scales = formats.quantize_mxfp4(x, scale_rounding=scale_rounding)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    if row_index is None:
+        out[: rows.shape[0]] = rows
+        return
+    ri = row_index.to(torch.int64)
+    keep = (ri >= 0) & (ri < out.shape[0])  # as the kernel: tokens with an out-of-range row are skipped
+    out[ri[keep]] = rows[keep]
+
+
+# ------------------------------------------------------------------------------------------------
+# Custom ops
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{LIB}::quantize_mxfp4", mutates_args=())
+def quantize_mxfp4_op(x: torch.Tensor, scale_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_for(x):
+        return _native.module().quantize_mxfp4(x, _round_up(scale_rounding))
+    return formats.quantize_mxfp4(x, scale_rounding=scale_rounding)
+
+
+@quantize_mxfp4_op.register_fake
+def _(x, scale_rounding):
+    t, h = x.shape
+    return x.new_empty((t, h // 2), dtype=torch.uint8), x.new_empty((t, h // 32), dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows", mutates_args=())
+def quantize_mxfp4_rows_op(x: torch.Tensor, scale_rounding: str) -> torch.Tensor:
+    t, h = x.shape
+    out = torch.empty((t, formats.mxfp4_row_bytes(h)), dtype=torch.uint8, device=x.device)
+    if _native_for(x):
+        _native.module().quantize_mxfp4_rows_into(x, _round_up(scale_rounding), out, None)
+    else:
+        _spec_rows_into(x, scale_rounding, out, None)
+    return out
+
+
+@quantize_mxfp4_rows_op.register_fake
+def _(x, scale_rounding):
+    t, h = x.shape
+    return x.new_empty((t, h // 2 + h // 32), dtype=torch.uint8)
+
+
+@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_into", mutates_args=("out",))
+def quantize_mxfp4_rows_into_op(
+    x: torch.Tensor, scale_rounding: str, out: torch.Tensor, row_index: torch.Tensor | None
+) -> None:
+    if _native_for(x):
+        _native.module().quantize_mxfp4_rows_into(x, _round_up(scale_rounding), out, row_index)
+    else:
+        _spec_rows_into(x, scale_rounding, out, row_index)
+
+
+@quantize_mxfp4_rows_into_op.register_fake
+def _(x, scale_rounding, out, row_index):
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::mxfp4_to_fp8_blockwise", mutates_args=())
+def mxfp4_to_fp8_blockwise_op(
+    packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_for(packed):
+        return _native.module().mxfp4_to_fp8_rows(packed, scales, split_lens, split_offsets)
+    return _spec_fp8_rows(packed, scales, split_lens, split_offsets)
+
+
+def _fake_fp8_rows(ref, n, h):
+    return (
+        ref.new_empty((n, h), dtype=FP8),
+        ref.new_empty((n, h // formats.FP8_GROUP), dtype=torch.float32),
+        ref.new_empty((), dtype=torch.int64),
+    )
+
+
+@mxfp4_to_fp8_blockwise_op.register_fake
+def _(packed, scales, split_lens, split_offsets):
+    return _fake_fp8_rows(packed, packed.shape[0], packed.shape[1] * 2)
+
+
+@torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_blockwise", mutates_args=())
+def mxfp4_rows_to_fp8_blockwise_op(
+    rows: torch.Tensor, hidden: int, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_for(rows):
+        return _native.module().mxfp4_byte_rows_to_fp8_rows(rows, hidden, split_lens, split_offsets)
+    packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
+    return _spec_fp8_rows(packed, scales, split_lens, split_offsets)
+
+
+@mxfp4_rows_to_fp8_blockwise_op.register_fake
+def _(rows, hidden, split_lens, split_offsets):
+    return _fake_fp8_rows(rows, rows.shape[0], hidden)
+
+
+def num_scale_groups(split_lens: torch.Tensor) -> int:
+    """G = sum_e ceil(len_e / 128) (reads split_lens on the host: one device sync)."""
+    lens = split_lens.to(torch.int64).cpu()
+    return int(((lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
+
+
+@torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
+def mxfp4_rows_to_fp8_cols_op(
+    packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_for(packed):
+        check_splits(split_lens, split_offsets, packed.shape[0])  # the output shape needs the lengths anyway
+        return _native.module().mxfp4_to_fp8_cols(
+            packed, scales, split_lens, split_offsets, num_scale_groups(split_lens)
+        )
+    data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
+    return data, out_scales, goffs.to(packed.device)
+
+
+@mxfp4_rows_to_fp8_cols_op.register_fake
+def _(packed, scales, split_lens, split_offsets):
+    n, h = packed.shape[0], packed.shape[1] * 2
+    groups = torch.library.get_ctx().new_dynamic_size()
+    return (
+        packed.new_empty((h, n), dtype=FP8),
+        packed.new_empty((h, groups), dtype=torch.float32),
+        packed.new_empty((split_lens.shape[0] + 1,), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op(f"{LIB}::quantize_fp8_blockwise", mutates_args=())
+def quantize_fp8_blockwise_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_for(x):
+        return _native.module().quantize_fp8_blockwise(x)
+    return formats.quantize_fp8_blockwise(x, block=(1, formats.FP8_GROUP))
+
+
+@quantize_fp8_blockwise_op.register_fake
+def _(x):
+    t, h = x.shape
+    return x.new_empty((t, h), dtype=FP8), x.new_empty((t, h // formats.FP8_GROUP), dtype=torch.float32)

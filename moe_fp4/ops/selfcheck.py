@@ -1,0 +1,77 @@
+"""A small driver that runs every native op once on small, awkward inputs and compares each result
+with the spec. Meant for compute-sanitizer (memcheck, racecheck, initcheck):
+
+    compute-sanitizer --tool memcheck python -m moe_fp4.ops.selfcheck
+
+Exits 0 when every result matches the spec bit for bit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from moe_fp4 import formats, ops
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).cpu()
+
+
+def _same(name: str, got, want) -> bool:
+    ok = got.shape == want.shape and got.dtype == want.dtype and bool((_bits(got) == _bits(want)).all())
+    print(f"{'ok  ' if ok else 'FAIL'} {name}")
+    return ok
+
+
+def run(device: str = "cuda") -> bool:
+    ok = True
+    lens = torch.tensor([130, 0, 1, 77, 5], dtype=torch.int64, device=device)
+    n = int(lens.sum()) + 3
+    offs = torch.tensor([0, 130, 138, 139, 131], dtype=torch.int64, device=device)
+    for h in (256, 384):
+        x = torch.randn(n, h, device=device, dtype=torch.bfloat16) * 4
+        x[0, :32] = float("nan")
+        x[1, 5] = float("inf")
+        x[2, :64] = 0
+        for r in ("up", "down"):
+            p, s = ops.quantize_mxfp4(x, scale_rounding=r)
+            pr, sr = formats.quantize_mxfp4(x, scale_rounding=r)
+            ok &= _same(f"quantize_mxfp4 h={h} {r}", p, pr) & _same("  scales", s, sr)
+        rows = ops.quantize_mxfp4_rows(x)
+        ok &= _same(f"quantize_mxfp4_rows h={h}", rows, formats.pack_mxfp4_rows(pr, sr))
+        out = torch.zeros(n + 4, rows.shape[1], dtype=torch.uint8, device=device)
+        perm = torch.randperm(n + 4, device=device)[:n]
+        ops.quantize_mxfp4_rows(x, out=out, row_index=perm)
+        ok &= _same("  at row_index", out[perm], rows)
+        p, s = formats.quantize_mxfp4(x)
+        want = formats.mxfp4_to_fp8_blockwise(p, s)
+        for got, w, what in zip(ops.mxfp4_to_fp8_blockwise(p, s), want, ("data", "scales", "underflow")):
+            ok &= _same(f"mxfp4_to_fp8_blockwise h={h} {what}", got, w)
+        got = ops.mxfp4_rows_to_fp8_blockwise(rows, h, lens, offs)
+        ok &= _same(f"mxfp4_rows_to_fp8_blockwise h={h} (splits) data", got[0], ops._ops._spec_fp8_rows(p, s, lens, offs)[0])
+        want = formats.mxfp4_rows_to_fp8_cols(p, s, lens, offs)
+        for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, s, lens, offs), want, ("data", "scales", "goffs")):
+            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} {what}", got, w)
+        want = formats.mxfp4_rows_to_fp8_cols(p, s, lens)
+        for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, s, lens), want, ("data", "scales", "goffs")):
+            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} back to back {what}", got, w)
+        q, qs = ops.quantize_fp8_blockwise(x)
+        qr, qsr = formats.quantize_fp8_blockwise(x, block=(1, 128))
+        ok &= _same(f"quantize_fp8_blockwise h={h}", q, qr) & _same("  scales", qs, qsr)
+    if device != "cpu":
+        torch.cuda.synchronize()
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    if not torch.cuda.is_available():
+        print("selfcheck: needs a CUDA GPU")
+        return 2
+    ops.build()
+    return 0 if run() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
