@@ -7,7 +7,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-benchmarks/results/gpu_recipes}
-ABLATION_BUDGET_S=${ABLATION_BUDGET_S:-165}
+ABLATION_BUDGET_S=${ABLATION_BUDGET_S:-150}
 mkdir -p "$OUT"
 LOG="$OUT/run.log"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -23,7 +23,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
   echo "rc=${PIPESTATUS[0]}"
 
   echo "== QuantLinear throughput"
-  timeout 100 python3 benchmarks/bench_quantlinear.py --out "$OUT" 2>&1
+  timeout 100 python3 benchmarks/bench_quantlinear.py --out "$OUT" --reps 3 2>&1
   echo "rc=$?"
 
   echo "== ablation"
