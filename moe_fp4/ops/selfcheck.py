@@ -40,7 +40,7 @@ def run(device: str = "cuda") -> bool:
             pr, sr = formats.quantize_mxfp4(x, scale_rounding=r)
             ok &= _same(f"quantize_mxfp4 h={h} {r}", p, pr) & _same("  scales", s, sr)
         rows = ops.quantize_mxfp4_rows(x)
-        ok &= _same(f"quantize_mxfp4_rows h={h}", rows, formats.pack_mxfp4_rows(pr, sr))
+        ok &= _same(f"quantize_mxfp4_rows h={h}", rows, formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x)))
         out = torch.zeros(n + 4, rows.shape[1], dtype=torch.uint8, device=device)
         perm = torch.randperm(n + 4, device=device)[:n]
         ops.quantize_mxfp4_rows(x, out=out, row_index=perm)
