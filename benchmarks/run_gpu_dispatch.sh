@@ -17,6 +17,8 @@ build_rc=skipped
 if python -c "import moe_fp4.ops.build" > /dev/null 2>&1; then
   timeout 240 python -m moe_fp4 build > "$OUT/build.log" 2>&1
   build_rc=$?
+  # a failed build is not retried by every test worker: the layer runs on the spec instead
+  [ "$build_rc" = 0 ] || export MOE_FP4_NATIVE=0
 fi
 native=$(python -c "
 from moe_fp4 import ops

@@ -192,3 +192,15 @@ def test_make_backend_choices():
         make_backend(None, "mpi")
     with pytest.raises(ValueError, match="num_experts"):
         Buffer(0)
+
+
+def test_gather_rows_any_width_and_slices():
+    from moe_fp4.ep.payloads import gather_rows
+
+    rows = torch.randint(0, 256, (11, 3808), dtype=torch.uint8)
+    idx = torch.randint(0, 11, (20,))
+    for view in (rows, rows[:, 3584:], rows[:, 1:6], rows[:, :4036 - 3808 + 100]):
+        assert torch.equal(gather_rows(view, idx), view[idx])
+    b = torch.randn(11, 96).to(torch.bfloat16)
+    got = gather_rows(b, idx)
+    assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), b[idx].view(torch.int16))

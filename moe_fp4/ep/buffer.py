@@ -30,7 +30,7 @@ import torch
 
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
 from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order
-from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, get_payload
+from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, gather_rows, get_payload
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
@@ -114,7 +114,7 @@ class DispatchOutput:
     @property
     def rows(self) -> torch.Tensor:
         if self._rows is None:
-            self._rows = self.recv_rows.index_select(0, self.handle.expand_row)
+            self._rows = gather_rows(self.recv_rows, self.handle.expand_row)
         return self._rows
 
     @property
@@ -255,7 +255,7 @@ class Buffer:
             handle = self._exchange_layout(x, topk_idx, topk_weights, codec)
         hidden = x.shape[1]
         rows = codec.encode(x)
-        send_rows = rows.index_select(0, handle.send_token)
+        send_rows = gather_rows(rows, handle.send_token)
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
         self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
         out = DispatchOutput(recv_rows, codec, hidden, handle)
@@ -398,7 +398,7 @@ class Buffer:
         for count in handle.slot_counts:
             if count:
                 sel = slice(start, start + count)
-                contrib = y.index_select(0, handle.slot_out[sel]).to(torch.float32)
+                contrib = gather_rows(y, handle.slot_out[sel]).to(torch.float32)
                 if weighted:
                     contrib = contrib * handle.slot_weights[sel].unsqueeze(1)
                 # one slot touches each token at most once: no colliding adds, a fixed order

@@ -54,6 +54,27 @@ def _native(name: str, t: torch.Tensor, *args, **kwargs):
         return None
 
 
+_WORDS = (torch.int64, torch.int32, torch.int16)
+
+
+def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] for a 2-D tensor whose rows may be a strided slice of wider rows: t [n, m] (any
+    dtype, last dimension contiguous), index int64 [N] -> [N, m] contiguous, same dtype.
+
+    Rows move as the widest machine words that divide them (a byte row of 3808 bytes moves as 476
+    int64), so the copy runs at memory speed whatever the payload's element type."""
+    nbytes = t.shape[1] * t.element_size()
+    for word in _WORDS:
+        size = word.itemsize
+        if (size > t.element_size() and nbytes % size == 0 and (t.stride(0) * t.element_size()) % size == 0
+                and (t.storage_offset() * t.element_size()) % size == 0 and t.stride(1) == 1):
+            try:
+                return t.view(word).index_select(0, index).view(t.dtype)
+            except RuntimeError:  # a view the allocator's alignment does not allow: copy as is
+                break
+    return t.index_select(0, index)
+
+
 def _check_rows(rows: torch.Tensor, width: int, hidden: int, name: str = "rows") -> None:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2:
         got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
@@ -111,7 +132,7 @@ class PayloadCodec:
         """rows uint8 [n, row_bytes(H)], index int64 [N] -> the FP8 1x128 operand of rows[index]:
         (float8_e4m3fn [N, H], float32 [N, H/128]). Converts each row once, then gathers."""
         data, scales = self.to_fp8_blockwise(rows, hidden)
-        return data.index_select(0, index), scales.index_select(0, index)
+        return gather_rows(data, index), gather_rows(scales, index)
 
     def empty_rows(self, hidden: int, device) -> torch.Tensor:
         return torch.empty(0, self.row_bytes(hidden), dtype=torch.uint8, device=device)
@@ -188,8 +209,8 @@ class FP8Payload(PayloadCodec):
     def gather_fp8_blockwise(self, rows, hidden, index):
         _check_rows(rows, self.row_bytes(hidden), hidden)
         # gather straight out of the byte rows: one pass, no intermediate copy
-        data = rows[:, :hidden].index_select(0, index).view(torch.float8_e4m3fn)
-        scales = rows[:, hidden:].index_select(0, index).view(torch.float32)
+        data = gather_rows(rows[:, :hidden], index).view(torch.float8_e4m3fn)
+        scales = gather_rows(rows[:, hidden:], index).view(torch.float32)
         return data, scales
 
 
