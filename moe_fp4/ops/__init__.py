@@ -35,6 +35,7 @@ import torch
 
 from moe_fp4 import formats
 from moe_fp4.ops import _native, _ops
+from moe_fp4.ops import build as _build_command  # noqa: F401  (loaded first: `build` below is the function)
 
 __all__ = [
     "build",
@@ -109,7 +110,8 @@ def _splits(split_lens, split_offsets, ref, required=False):
         _tensor(split_offsets, "split_offsets", (split_lens.dtype,), 1)
         _same_device(split_offsets, ref, "split_offsets")
         if split_offsets.shape != split_lens.shape:
-            raise ValueError(f"split_offsets: expected shape {tuple(split_lens.shape)}, got {tuple(split_offsets.shape)}")
+            raise ValueError(f"split_offsets: expected shape {tuple(split_lens.shape)}, "
+                             f"got {tuple(split_offsets.shape)}")
 
 
 def _packed_scales(packed, scales, fp8=True):

@@ -1,0 +1,214 @@
+"""moe_fp4.ops on CPU: the fallbacks equal the spec, argument errors, fake shapes, opcheck."""
+
+import pytest
+import torch
+from _compare import assert_bitwise_equal
+
+from moe_fp4 import formats, ops
+from moe_fp4.ops import _ops
+
+
+def _x(t, h, dtype=torch.bfloat16):
+    x = torch.randn(t, h) * torch.exp2(torch.randint(-20, 20, (t, 1)).float())
+    if t > 2 and h >= 64:
+        x[0, :32] = float("nan")
+        x[1, 3] = float("-inf")
+        x[2, 32:64] = 0
+    return x.to(dtype)
+
+
+def _u8(*shape):
+    return torch.zeros(shape, dtype=torch.uint8)
+
+
+def _mxfp4(t, h):
+    packed = torch.randint(0, 256, (t, h // 2), dtype=torch.uint8)
+    scales = torch.randint(100, 150, (t, h // 32), dtype=torch.uint8)
+    if t > 3:
+        scales[0, 0] = 0xFF
+        scales[1] = torch.randint(0, 255, (h // 32,), dtype=torch.uint8)  # wide spread: underflows
+        scales[2, 0] = 254
+    return packed, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("rounding", ["up", "down"])
+def test_quantize_mxfp4_equals_spec(dtype, rounding):
+    x = _x(9, 96, dtype)
+    p, s = ops.quantize_mxfp4(x, scale_rounding=rounding)
+    pr, sr = formats.quantize_mxfp4(x, scale_rounding=rounding)
+    assert_bitwise_equal(p, pr, "packed")
+    assert_bitwise_equal(s, sr, "scales")
+
+
+def test_quantize_mxfp4_rows_in_order_and_at_rows():
+    x = _x(7, 256)
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    assert_bitwise_equal(ops.quantize_mxfp4_rows(x), want, "rows")
+    out = torch.full((12, want.shape[1]), 0xAB, dtype=torch.uint8)
+    index = torch.randperm(12)[:7]
+    assert ops.quantize_mxfp4_rows(x, out=out, row_index=index) is out
+    assert_bitwise_equal(out[index], want, "rows at row_index")
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[index] = False
+    assert bool((out[untouched] == 0xAB).all()), "rows no token targets must stay untouched"
+    out2 = torch.zeros(7, want.shape[1], dtype=torch.uint8)
+    ops.quantize_mxfp4_rows(x, out=out2)
+    assert_bitwise_equal(out2, want, "rows in order into out")
+
+
+def test_quantize_mxfp4_rows_skips_out_of_range_rows():
+    x = _x(3, 64)
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    out = torch.zeros(4, want.shape[1], dtype=torch.uint8)
+    ops.quantize_mxfp4_rows(x, out=out, row_index=torch.tensor([2, 9, -1]))
+    assert_bitwise_equal(out[2], want[0], "row 2")
+    assert int(out[[0, 1, 3]].sum()) == 0
+
+
+def _segments_reference(packed, scales, lens, offs):
+    """Per-segment spec calls, rows outside every segment zero."""
+    n, h = packed.shape[0], packed.shape[1] * 2
+    data = torch.zeros(n, h, dtype=torch.uint8)
+    sc = torch.zeros(n, h // 128)
+    total = 0
+    for o, ln in zip(offs.tolist(), lens.tolist()):
+        if ln:
+            d, s, u = formats.mxfp4_to_fp8_blockwise(packed[o:o + ln], scales[o:o + ln])
+            data[o:o + ln], sc[o:o + ln] = d.view(torch.uint8), s
+            total += int(u)
+    return data.view(torch.float8_e4m3fn), sc, torch.tensor(total)
+
+
+def test_mxfp4_to_fp8_blockwise_equals_spec():
+    packed, scales = _mxfp4(11, 256)
+    for got, want, what in zip(ops.mxfp4_to_fp8_blockwise(packed, scales),
+                               formats.mxfp4_to_fp8_blockwise(packed, scales), ("data", "scales", "underflow")):
+        assert_bitwise_equal(got, want, what)
+
+
+@pytest.mark.parametrize("with_offsets", [False, True])
+def test_mxfp4_to_fp8_blockwise_with_splits(with_offsets):
+    packed, scales = _mxfp4(20, 256)
+    lens = torch.tensor([4, 0, 1, 6])
+    offs = torch.tensor([13, 0, 2, 5]) if with_offsets else formats.split_offsets(lens)
+    want = _segments_reference(packed, scales, lens, offs)
+    got = ops.mxfp4_to_fp8_blockwise(packed, scales, lens, offs if with_offsets else None)
+    for g, w, what in zip(got, want, ("data", "scales", "underflow")):
+        assert_bitwise_equal(g, w, what)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    got = ops.mxfp4_rows_to_fp8_blockwise(rows, 256, lens, offs if with_offsets else None)
+    for g, w, what in zip(got, want, ("data", "scales", "underflow")):
+        assert_bitwise_equal(g, w, "byte rows " + what)
+
+
+def test_mxfp4_rows_to_fp8_cols_equals_spec():
+    packed, scales = _mxfp4(300, 128)
+    lens = torch.tensor([130, 0, 1, 129, 3], dtype=torch.int32)
+    offs = torch.tensor([0, 130, 297, 131, 260], dtype=torch.int32)
+    for o in (None, offs):
+        got = ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, o)
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, o)
+        for g, w, what in zip(got, want, ("data", "scales", "group_offsets")):
+            assert_bitwise_equal(g, w, what)
+
+
+def test_quantize_fp8_blockwise_equals_spec():
+    x = _x(5, 256)
+    for g, w, what in zip(ops.quantize_fp8_blockwise(x), formats.quantize_fp8_blockwise(x, block=(1, 128)),
+                          ("data", "scales")):
+        assert_bitwise_equal(g, w, what)
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: ops.quantize_mxfp4(torch.zeros(2, 64, dtype=torch.int32)), "x: expected dtype"),
+        (lambda: ops.quantize_mxfp4(torch.zeros(64)), "x: expected 2 dimension"),
+        (lambda: ops.quantize_mxfp4(torch.zeros(2, 48)), "x: last dimension .48. must be a multiple of 32"),
+        (lambda: ops.quantize_mxfp4(torch.zeros(2, 64), scale_rounding="nearest"), "scale_rounding"),
+        (lambda: ops.quantize_mxfp4(torch.zeros(64, 2).t()), "x: expected a contiguous last dimension"),
+        (lambda: ops.quantize_mxfp4_rows(torch.zeros(2, 64), row_index=torch.tensor([0, 1])), "out: required"),
+        (lambda: ops.quantize_mxfp4_rows(torch.zeros(2, 64), out=torch.zeros(2, 33, dtype=torch.uint8)),
+         "out: expected 34 bytes per row"),
+        (lambda: ops.quantize_mxfp4_rows(torch.zeros(3, 64), out=torch.zeros(2, 34, dtype=torch.uint8)),
+         "out: expected at least 3 rows"),
+        (lambda: ops.quantize_mxfp4_rows(torch.zeros(2, 64), out=torch.zeros(2, 34, dtype=torch.uint8),
+                                         row_index=torch.tensor([0])), "row_index: expected shape"),
+        (lambda: ops.quantize_mxfp4_rows(torch.zeros(2, 64), out=torch.zeros(2, 34, dtype=torch.uint8),
+                                         row_index=torch.tensor([0.0, 1.0])), "row_index: expected dtype"),
+        (lambda: ops.mxfp4_to_fp8_blockwise(_u8(2, 64), _u8(2, 3)),
+         "scales: expected shape"),
+        (lambda: ops.mxfp4_to_fp8_blockwise(_u8(2, 48), _u8(2, 3)),
+         "packed: hidden size 96"),
+        (lambda: ops.mxfp4_to_fp8_blockwise(torch.zeros(2, 64), _u8(2, 4)),
+         "packed: expected dtype"),
+        (lambda: ops.mxfp4_to_fp8_blockwise(_u8(2, 64), _u8(2, 4),
+                                            None, torch.tensor([0])), "split_offsets: given without split_lens"),
+        (lambda: ops.mxfp4_to_fp8_blockwise(_u8(2, 64), _u8(2, 4),
+                                            torch.tensor([1]), torch.tensor([0], dtype=torch.int32)),
+         "split_offsets: expected dtype"),
+        (lambda: ops.mxfp4_to_fp8_blockwise(_u8(2, 64), _u8(2, 4),
+                                            torch.tensor([1.0])), "split_lens: expected dtype"),
+        (lambda: ops.mxfp4_rows_to_fp8_blockwise(torch.zeros(2, 51, dtype=torch.uint8), 96), "hidden: expected"),
+        (lambda: ops.mxfp4_rows_to_fp8_blockwise(torch.zeros(2, 67, dtype=torch.uint8), 128), "rows: expected 68"),
+        (lambda: ops.mxfp4_rows_to_fp8_cols(_u8(2, 64), _u8(2, 4),
+                                            None), "split_lens: expected"),
+        (lambda: ops.mxfp4_rows_to_fp8_cols(_u8(2, 64), _u8(2, 4),
+                                            torch.tensor([3])), "split_lens: segments cover 3 rows"),
+        (lambda: ops.quantize_fp8_blockwise(torch.zeros(2, 96)), "x: last dimension .96. must be a multiple of 128"),
+    ],
+)
+def test_bad_arguments_raise_value_error(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    with FakeTensorMode(shape_env=ShapeEnv()):
+        x = torch.empty(6, 256, dtype=torch.bfloat16)
+        p, s = ops.quantize_mxfp4(x)
+        assert (p.shape, s.shape, p.dtype) == ((6, 128), (6, 8), torch.uint8)
+        assert ops.quantize_mxfp4_rows(x).shape == (6, 136)
+        d, sc, u = ops.mxfp4_to_fp8_blockwise(p, s)
+        assert (d.shape, d.dtype, sc.shape) == ((6, 256), torch.float8_e4m3fn, (6, 2))
+        assert (u.shape, u.dtype) == ((), torch.int64)
+        d, sc, u = ops.mxfp4_rows_to_fp8_blockwise(torch.empty(6, 136, dtype=torch.uint8), 256)
+        assert (d.shape, sc.shape) == ((6, 256), (6, 2))
+        lens = torch.empty(3, dtype=torch.int64)
+        d, sc, go = _ops.mxfp4_rows_to_fp8_cols_op(p, s, lens, None)
+        assert d.shape == (256, 6) and sc.shape[0] == 256 and go.shape == (4,)
+        q, qs = ops.quantize_fp8_blockwise(x)
+        assert (q.shape, q.dtype, qs.shape) == ((6, 256), torch.float8_e4m3fn, (6, 2))
+
+
+def test_opcheck_cpu():
+    x = _x(4, 128)
+    packed, scales = formats.quantize_mxfp4(x)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    lens = torch.tensor([1, 0, 3])
+    cases = [
+        (_ops.quantize_mxfp4_op, (x, "up")),
+        (_ops.quantize_mxfp4_rows_op, (x, "down")),
+        (_ops.quantize_mxfp4_rows_into_op, (x, "up", _u8(5, 68), torch.tensor([4, 0, 2, 1]))),
+        (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
+        (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 128, None, None)),
+        (_ops.quantize_fp8_blockwise_op, (x,)),
+    ]
+    for op, args in cases:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_native_unavailable_on_cpu_build():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert ops.native_available() is False
+    with pytest.raises(RuntimeError, match="cannot be built"):
+        ops.build()
+    import importlib
+
+    assert importlib.import_module("moe_fp4.ops.build").main([]) == 1
+    assert callable(ops.build)
