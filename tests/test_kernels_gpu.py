@@ -1,0 +1,214 @@
+"""The native kernels equal the spec bit for bit on the GPU (marked gpu: skipped without CUDA)."""
+
+import pytest
+import torch
+from _compare import assert_bitwise_equal
+
+from moe_fp4 import formats, ops
+from moe_fp4.ops import _ops
+
+pytestmark = pytest.mark.gpu
+
+HIDDEN = (7168, 2048, 4096, 96)
+TOKENS = (1, 7, 4096, 32768)
+FP8_HIDDEN = (7168, 2048, 4096)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native():
+    ops.build()
+    assert ops.native_available()
+
+
+def _float_input(t, h, dtype):
+    """Random rows spread over many binades, with special values and E2M1 rounding ties."""
+    x = torch.randn(t, h, device="cuda") * torch.exp2(torch.randint(-40, 40, (t, 1), device="cuda").float())
+    if t >= 7 and h >= 64:
+        ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 4)
+        x[0, :32] = ties * torch.tensor([1.0, -1.0]).repeat(16)
+        x[1, 3] = float("nan")
+        x[2, 40] = float("inf")
+        x[2, 0] = float("-inf")
+        x[3, :32] = 0.0
+        x[3, 33] = -0.0
+        x[4, :32] = torch.randn(32) * 1e-39  # subnormal in float32 and bfloat16
+        x[5, :] = torch.finfo(dtype).max * torch.rand(h) * 0.99
+        x[6, : h // 2] *= 1e20  # one element dominates its blocks: saturation and zeros
+    return x.to(dtype)
+
+
+def _mxfp4_input(n, h):
+    packed = torch.randint(0, 256, (n, h // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(100, 160, (n, h // 32), dtype=torch.uint8, device="cuda")
+    if n >= 7:
+        scales[0, 0] = 0xFF
+        scales[1] = torch.randint(0, 255, (h // 32,), dtype=torch.uint8)  # shifts >= 15: underflow
+        scales[2, :4] = torch.tensor([254, 253, 0, 1], dtype=torch.uint8)
+        scales[3] = 0
+        packed[4] = 0
+        packed[5] = 0x88  # negative zeros
+        scales[6] = 254
+    return packed, scales
+
+
+def _splits(n, experts, gaps):
+    """Random ragged segments (empty ones and lengths 1 included) inside n rows; gaps: shuffled
+    segment order with unused rows between them (explicit offsets), else back to back (None)."""
+    cuts = torch.sort(torch.randint(0, n + 1, (experts - 1,))).values
+    lens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
+    if experts >= 4:
+        lens[1] = 0
+        lens[2] = min(1, int(lens[2]) + int(lens[3]))
+        lens[3] = 0
+    if not gaps:
+        lens[-1] += n - int(lens.sum())
+        return lens.cuda(), None
+    lens = (lens * 3) // 4
+    order = torch.randperm(experts)
+    offs = torch.empty(experts, dtype=torch.int64)
+    pos, slack = 0, n - int(lens.sum())
+    for e in order.tolist():
+        gap = min(int(torch.randint(0, 3, ())), slack)
+        pos, slack = pos + gap, slack - gap
+        offs[e] = pos
+        pos += int(lens[e])
+    assert pos <= n
+    return lens.cuda(), offs.cuda()
+
+
+def _equal(got, want, names):
+    for g, w, name in zip(got, want, names):
+        assert_bitwise_equal(g, w.to(g.device), name)
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("h", HIDDEN)
+def test_quantize_mxfp4(t, h):
+    x = _float_input(t, h, torch.bfloat16)
+    for rounding in ("up", "down"):
+        _equal(ops.quantize_mxfp4(x, scale_rounding=rounding), formats.quantize_mxfp4(x, scale_rounding=rounding),
+               (f"packed {rounding}", f"scales {rounding}"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("h", [7168, 96])
+def test_quantize_mxfp4_other_dtypes(dtype, h):
+    x = _float_input(513, h, dtype)
+    _equal(ops.quantize_mxfp4(x), formats.quantize_mxfp4(x), ("packed", "scales"))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("h", HIDDEN)
+def test_quantize_mxfp4_rows(t, h):
+    x = _float_input(t, h, torch.bfloat16)
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    assert_bitwise_equal(ops.quantize_mxfp4_rows(x), want, "rows in order")
+    r = t + 5
+    out = torch.full((r, want.shape[1]), 0x5A, dtype=torch.uint8, device="cuda")
+    index = torch.randperm(r, device="cuda")[:t]
+    ops.quantize_mxfp4_rows(x, out=out, row_index=index.to(torch.int32))
+    assert_bitwise_equal(out[index], want, "rows at row_index")
+    rest = torch.ones(r, dtype=torch.bool, device="cuda")
+    rest[index] = False
+    assert bool((out[rest] == 0x5A).all())
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("h", FP8_HIDDEN)
+def test_mxfp4_to_fp8_blockwise(t, h):
+    packed, scales = _mxfp4_input(t, h)
+    want = formats.mxfp4_to_fp8_blockwise(packed, scales)
+    names = ("data", "scales", "underflow")
+    _equal(ops.mxfp4_to_fp8_blockwise(packed, scales), want, names)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    _equal(ops.mxfp4_rows_to_fp8_blockwise(rows, h), want, names)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("t,h", [(7, 7168), (4096, 2048), (32768, 7168), (1000, 384)])
+def test_mxfp4_to_fp8_blockwise_splits(t, h, gaps):
+    packed, scales = _mxfp4_input(t, h)
+    lens, offs = _splits(t, 8, gaps)
+    want = _ops._spec_fp8_rows(packed.cpu(), scales.cpu(), lens.cpu(), None if offs is None else offs.cpu())
+    names = ("data", "scales", "underflow")
+    _equal(ops.mxfp4_to_fp8_blockwise(packed, scales, lens, offs), want, names)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    _equal(ops.mxfp4_rows_to_fp8_blockwise(rows, h, lens.to(torch.int32),
+                                           None if offs is None else offs.to(torch.int32)), want, names)
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("h", FP8_HIDDEN)
+def test_mxfp4_rows_to_fp8_cols(t, h, gaps):
+    packed, scales = _mxfp4_input(t, h)
+    lens, offs = _splits(t, 8 if t > 7 else 3, gaps)
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs), want, ("data", "scales", "group_offsets"))
+
+
+def test_mxfp4_rows_to_fp8_cols_edge_splits():
+    packed, scales = _mxfp4_input(300, 256)
+    for lens, offs in [
+        ([0, 0, 0], None),
+        ([300], None),
+        ([1] * 7, None),
+        ([128, 129, 0, 43], None),
+        ([5, 1], [290, 17]),
+        ([], None),
+    ]:
+        lt = torch.tensor(lens, dtype=torch.int64, device="cuda")
+        ot = None if offs is None else torch.tensor(offs, dtype=torch.int64, device="cuda")
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lt, ot)
+        _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lt, ot), want, (f"data {lens}", "scales", "goffs"))
+
+
+@pytest.mark.parametrize("t", TOKENS)
+@pytest.mark.parametrize("h", FP8_HIDDEN)
+def test_quantize_fp8_blockwise(t, h):
+    x = _float_input(t, h, torch.bfloat16)
+    _equal(ops.quantize_fp8_blockwise(x), formats.quantize_fp8_blockwise(x, block=(1, 128)), ("data", "scales"))
+
+
+def test_quantize_fp8_blockwise_float32_and_h96_rejected():
+    x = _float_input(300, 2048, torch.float32)
+    _equal(ops.quantize_fp8_blockwise(x), formats.quantize_fp8_blockwise(x, block=(1, 128)), ("data", "scales"))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.quantize_fp8_blockwise(_float_input(4, 96, torch.bfloat16))
+    packed, scales = _mxfp4_input(4, 96)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        ops.mxfp4_to_fp8_blockwise(packed, scales)
+
+
+def test_outputs_on_current_stream():
+    x = _float_input(4096, 7168, torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = ops.quantize_mxfp4(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    _equal(got, formats.quantize_mxfp4(x), ("packed", "scales"))
+
+
+def test_opcheck_cuda():
+    x = _float_input(64, 256, torch.bfloat16)
+    packed, scales = formats.quantize_mxfp4(x)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    lens = torch.tensor([10, 0, 1, 40], device="cuda")
+    out = torch.zeros(70, rows.shape[1], dtype=torch.uint8, device="cuda")
+    index = torch.randperm(70, device="cuda")[:64]
+    for op, args in [
+        (_ops.quantize_mxfp4_op, (x, "up")),
+        (_ops.quantize_mxfp4_rows_op, (x, "down")),
+        (_ops.quantize_mxfp4_rows_into_op, (x, "up", out, index)),
+        (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
+        (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 256, lens, None)),
+        (_ops.quantize_fp8_blockwise_op, (x,)),
+    ]:
+        torch.library.opcheck(op, args)
+
+
+def test_selfcheck_driver():
+    from moe_fp4.ops import selfcheck
+
+    assert selfcheck.run("cuda")
