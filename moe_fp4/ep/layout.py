@@ -107,7 +107,7 @@ def send_order(layout: DispatchLayout, num_send: int) -> tuple[torch.Tensor, tor
     dump = torch.full_like(pos, num_send)
     target = torch.where(in_rank, pos, dump).t().reshape(-1)  # rank-major
     token = torch.arange(t, device=dev).repeat(w)
-    rank = torch.arange(w, device=dev).repeat_interleave(t)
+    rank = torch.arange(w, device=dev).unsqueeze(1).expand(w, t).reshape(-1)
     send_token = torch.empty(num_send + 1, dtype=torch.int64, device=dev).scatter_(0, target, token)
     send_rank = torch.empty(num_send + 1, dtype=torch.int64, device=dev).scatter_(0, target, rank)
     return send_token[:num_send], send_rank[:num_send]

@@ -70,10 +70,11 @@ def _worker(rank, world, backend, init_file, tasks, results, timeout_s, short_ti
             results.put((rank, "ok", fn(ctx, *args)))
         except Exception:
             results.put((rank, "error", traceback.format_exc()))
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+    # Leave without tearing the groups down: a group whose collective timed out can block in its
+    # destructor, and the process ends here anyway.
+    results.close()
+    results.join_thread()
+    os._exit(0)
 
 
 class WorkerPool:
