@@ -3,6 +3,7 @@
 // over these functions, their fake implementations and the CPU fallback live in moe_fp4/ops.
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
 #include <optional>

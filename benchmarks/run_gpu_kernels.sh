@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# On a GPU machine: build the native ops, run the GPU tests, compute-sanitizer (memcheck, racecheck,
+# initcheck) over a small driver, and the kernel benchmark. Logs and results go to $OUT (default
+# ./.out); a short summary is printed last.
+#   STEPS=build,test,sanitize,bench (default: all)   BENCH_ARGS="--tokens 4096 --compile"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/.out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} MOE_FP4_NATIVE=1
+export MOE_FP4_BUILD_DIR=${MOE_FP4_BUILD_DIR:-$PWD/build/native}
+STEPS=${STEPS:-build,test,sanitize,bench}
+summary=()
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2 t0 rc
+  shift 2
+  t0=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  summary+=("$(printf '%-22s rc=%-3s %4ss' "$name" "$rc" "$(($(date +%s) - t0))")")
+  tail -n 4 "$OUT/$name.log"
+}
+
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+
+{ date -u; nvidia-smi; python3 -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())'; } \
+  >"$OUT/device.txt" 2>&1
+
+if want build; then
+  step build 400 python3 -m moe_fp4 build
+  cp "$MOE_FP4_BUILD_DIR"/moe_fp4_native*.so "$OUT"/ 2>/dev/null
+fi
+if want test; then
+  step gpu_tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py
+  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3
+fi
+if want sanitize; then
+  san=(compute-sanitizer --error-exitcode 99 --print-limit 20)
+  export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+  step memcheck 300 "${san[@]}" --tool memcheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
+  step racecheck 300 "${san[@]}" --tool racecheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
+  step initcheck 300 "${san[@]}" --tool initcheck python3 -m moe_fp4.ops.selfcheck
+  unset PYTORCH_NO_CUDA_MEMORY_CACHING
+  grep -hE "ERROR SUMMARY|FAIL" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/initcheck.log
+fi
+if want bench; then
+  # shellcheck disable=SC2086
+  step bench 400 python3 -m moe_fp4 bench kernels --json "$OUT/kernels.json" --markdown "$OUT/kernels.md" ${BENCH_ARGS:-}
+  cat "$OUT/kernels.md" 2>/dev/null
+fi
+
+echo "== summary =="
+printf '%s\n' "${summary[@]}"

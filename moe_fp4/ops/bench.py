@@ -1,0 +1,184 @@
+"""`python -m moe_fp4 bench kernels`: time the native conversion kernels against the memory ceiling.
+
+For each op and shape: the median GPU time of one call (CUDA events around each call, a GPU sleep
+ahead so the host queues the calls before they run, inputs rotated over sets larger than L2), GB/s
+counting the bytes each op must read and write once, and that rate as a share of the measured
+device-to-device copy bandwidth (bytes read + written). Baselines: the unfused column path
+(dequantize to BF16 in torch, transpose in torch, FP8 1x128 quantize) and, with --compile,
+torch.compile of the spec function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+
+import torch
+
+from moe_fp4 import formats, ops
+from moe_fp4.ops import _native
+
+
+def _median_us(fn, nsets: int, reps: int = 60, batch: int = 10) -> float:
+    for i in range(3):
+        fn(i % nsets)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(max(1, reps // batch)):
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(batch)]
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time: the host queues the whole batch meanwhile
+        for k, (start, end) in enumerate(events):
+            start.record()
+            fn(k % nsets)
+            end.record()
+        torch.cuda.synchronize()
+        times += [s.elapsed_time(e) * 1e3 for s, e in events]
+    return statistics.median(times)
+
+
+def copy_ceiling_gbs(nbytes: int = 2 << 30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    us = _median_us(lambda i: dst.copy_(src), 1, reps=30)
+    return 2 * nbytes / us / 1e3
+
+
+def _sets(bytes_per_set: int) -> int:
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    return max(2, -(-3 * l2 // max(1, bytes_per_set)))
+
+
+def _device_line() -> str:
+    p = torch.cuda.get_device_properties(0)
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        smi = "nvidia-smi unavailable"
+    return (f"{p.name}, {p.multi_processor_count} SMs, L2 {p.L2_cache_size >> 20} MiB; nvidia-smi: {smi}; "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+
+
+def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
+    native = _native.module()
+    ceiling = copy_ceiling_gbs()
+    rows = []
+
+    def add(op, shape, us, nbytes, **extra):
+        gbs = nbytes / us / 1e3
+        rows.append(dict(op=op, shape=shape, us=us, gbs=gbs, pct=100 * gbs / ceiling, **extra))
+        print(f"{op:34s} {shape:22s} {us:9.1f} us {gbs:8.0f} GB/s {100 * gbs / ceiling:6.1f}%  "
+              + " ".join(f"{k}={v:.2f}" for k, v in extra.items()), flush=True)
+
+    def bench_shape(t):
+        h = hidden
+        shape = f"T={t} H={h}"
+        n_in = t * h * 2
+        ns = _sets(n_in)
+        xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(ns)]
+        q = [formats.quantize_mxfp4(x) for x in xs]
+        fp4_bytes = t * h // 2 + t * h // 32
+        fp8_bytes = t * h + t * h // 128 * 4
+
+        # BF16ToFP4Row
+        us = _median_us(lambda i: native.quantize_mxfp4(xs[i], True), ns, reps)
+        extra = {}
+        if compile_spec and t == tokens[0]:
+            spec = torch.compile(lambda x: formats.quantize_mxfp4(x), dynamic=False)
+            extra["x_compile"] = _median_us(lambda i: spec(xs[i]), ns, reps) / us
+        add("BF16ToFP4Row quantize_mxfp4", shape, us, n_in + fp4_bytes, **extra)
+
+        rowbufs = [torch.empty(t, formats.mxfp4_row_bytes(h), dtype=torch.uint8, device="cuda") for _ in range(ns)]
+        us = _median_us(lambda i: native.quantize_mxfp4_rows_into(xs[i], True, rowbufs[i], None), ns, reps)
+        add("BF16ToFP4Row quantize_mxfp4_rows", shape, us, n_in + fp4_bytes)
+
+        # FP4RowToFP8Row
+        us = _median_us(lambda i: native.mxfp4_to_fp8_rows(q[i][0], q[i][1], None, None), ns, reps)
+        extra = {}
+        if compile_spec and t == tokens[0]:
+            spec = torch.compile(lambda p, s: formats.mxfp4_to_fp8_blockwise(p, s), dynamic=False)
+            extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, reps) / us
+        add("FP4RowToFP8Row mxfp4_to_fp8", shape, us, fp4_bytes + fp8_bytes, **extra)
+        rb = [formats.pack_mxfp4_rows(*qq) for qq in q]
+        us = _median_us(lambda i: native.mxfp4_byte_rows_to_fp8_rows(rb[i], h, None, None), ns, reps)
+        add("FP4RowToFP8Row from byte rows", shape, us, fp4_bytes + fp8_bytes)
+
+        # FP4RowToFP8Col, 32 experts of equal length (multiples of 128)
+        experts = 32
+        lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
+        groups = int(((lens + 127) // 128).sum())
+        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], lens, None, groups), ns, reps)
+
+        def unfused(i):
+            v = formats.dequantize_mxfp4(q[i][0], q[i][1], dtype=torch.bfloat16)
+            return native.quantize_fp8_blockwise(v.t().contiguous())
+
+        extra = {"x_unfused": _median_us(unfused, ns, max(10, reps // 3)) / us}
+        if compile_spec and t == tokens[0]:
+            spec = torch.compile(lambda p, s: formats.mxfp4_rows_to_fp8_cols(p, s, lens), dynamic=False)
+            extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, max(10, reps // 3)) / us
+        add(f"FP4RowToFP8Col {experts} experts", shape, us, fp4_bytes + fp8_bytes, **extra)
+        cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,))).values
+        rlens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])])).cuda()
+        rgroups = int(((rlens + 127) // 128).sum())
+        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, rgroups), ns, reps)
+        add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
+
+        # BF16 -> FP8 1x128
+        us = _median_us(lambda i: native.quantize_fp8_blockwise(xs[i]), ns, reps)
+        extra = {}
+        if compile_spec and t == tokens[0]:
+            spec = torch.compile(lambda x: formats.quantize_fp8_blockwise(x, block=(1, 128)), dynamic=False)
+            extra["x_compile"] = _median_us(lambda i: spec(xs[i]), ns, reps) / us
+        add("BF16->FP8 1x128", shape, us, n_in + t * h + t * h // 128 * 4, **extra)
+
+    for t in tokens:
+        bench_shape(t)
+        torch.cuda.empty_cache()
+    return dict(ceiling_gbs=ceiling, rows=rows, device=_device_line(),
+                date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
+
+
+def markdown(result: dict, command: str) -> str:
+    lines = [
+        f"Device: {result['device']}",
+        f"Date: {result['date']}",
+        f"Command: `{command}`",
+        f"Copy ceiling (device-to-device copy, bytes read + written): {result['ceiling_gbs']:.0f} GB/s",
+        "",
+        "| op | shape | µs | GB/s | % of copy | vs unfused | vs torch.compile(spec) |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        unf = f"{r['x_unfused']:.2f}x" if "x_unfused" in r else ""
+        comp = f"{r['x_compile']:.2f}x" if "x_compile" in r else ""
+        lines.append(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {unf} | {comp} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m moe_fp4 bench kernels", description=__doc__)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 32768])
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--reps", type=int, default=60)
+    parser.add_argument("--compile", action="store_true", help="also time torch.compile of the spec")
+    parser.add_argument("--json", help="write the results as JSON here")
+    parser.add_argument("--markdown", help="write the results table as Markdown here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench kernels: needs a CUDA GPU")
+        return 2
+    ops.build()
+    result = run(args.tokens, args.hidden, args.compile, args.reps)
+    command = "python -m moe_fp4 bench kernels " + " ".join(argv)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(result, command.strip()))
+    print(markdown(result, command.strip()))
+    return 0
