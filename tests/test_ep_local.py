@@ -204,3 +204,24 @@ def test_gather_rows_any_width_and_slices():
     b = torch.randn(11, 96).to(torch.bfloat16)
     got = gather_rows(b, idx)
     assert got.dtype == torch.bfloat16 and torch.equal(got.view(torch.int16), b[idx].view(torch.int16))
+
+
+@pytest.mark.parametrize("wire", ["fp8", "mxfp4"])
+def test_combine_with_a_quantized_wire(wire):
+    """The partial sums travel in the given payload: out = bf16(decode(encode(partial)))."""
+    buf = Buffer(4, payload="bf16")
+    x = torch.randn(13, 256)
+    idx = random_routing(13, 3, 4)
+    w = torch.rand(13, 3)
+    out = buf.dispatch(x, idx, w)
+    assert out.num_recv_tokens_per_expert_list == out.tokens_per_expert
+    y = out.values() * 2
+    partial = torch.zeros(13, 256)
+    for j in range(3):
+        sel = idx[:, j] >= 0
+        partial[sel] = partial[sel] + (x[sel].to(torch.bfloat16) * 2).float() * w[sel, j:j + 1]
+    codec = get_payload(wire)
+    routed = (idx >= 0).any(1)
+    ref = torch.zeros(13, 256)
+    ref[routed] = codec.decode(codec.encode(partial[routed]), 256)
+    assert_bitwise_equal(buf.combine(y, out.handle, payload=wire), ref.to(torch.bfloat16), f"combine over {wire}")

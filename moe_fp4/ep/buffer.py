@@ -130,6 +130,11 @@ class DispatchOutput:
         return self.handle.tokens_per_expert
 
     @property
+    def num_recv_tokens_per_expert_list(self) -> list[int]:
+        """DeepEP's name for ``tokens_per_expert``."""
+        return self.handle.tokens_per_expert
+
+    @property
     def recv_topk_idx(self) -> torch.Tensor:
         return self.handle.recv_topk_idx
 
