@@ -28,25 +28,25 @@ want() { [[ ",$STEPS," == *",$1,"* ]]; }
   >"$OUT/device.txt" 2>&1
 
 if want build; then
-  step build 400 python3 -m moe_fp4 build
+  step build "${LIMIT_BUILD:-400}" python3 -m moe_fp4 build
   cp "$MOE_FP4_BUILD_DIR"/moe_fp4_native*.so "$OUT"/ 2>/dev/null
 fi
 if want test; then
-  step gpu_tests 400 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py
+  step gpu_tests "${LIMIT_TEST:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py
   grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3
 fi
 if want sanitize; then
   san=(compute-sanitizer --error-exitcode 99 --print-limit 20)
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-  step memcheck 300 "${san[@]}" --tool memcheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
-  step racecheck 300 "${san[@]}" --tool racecheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
-  step initcheck 300 "${san[@]}" --tool initcheck python3 -m moe_fp4.ops.selfcheck
+  step memcheck "${LIMIT_SAN:-300}" "${san[@]}" --tool memcheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
+  step racecheck "${LIMIT_SAN:-300}" "${san[@]}" --tool racecheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
+  step initcheck "${LIMIT_SAN:-300}" "${san[@]}" --tool initcheck python3 -m moe_fp4.ops.selfcheck
   unset PYTORCH_NO_CUDA_MEMORY_CACHING
   grep -hE "ERROR SUMMARY|FAIL" "$OUT"/memcheck.log "$OUT"/racecheck.log "$OUT"/initcheck.log
 fi
 if want bench; then
   # shellcheck disable=SC2086
-  step bench 400 python3 -m moe_fp4 bench kernels --json "$OUT/kernels.json" --markdown "$OUT/kernels.md" ${BENCH_ARGS:-}
+  step bench "${LIMIT_BENCH:-400}" python3 -m moe_fp4 bench kernels --json "$OUT/kernels.json" --markdown "$OUT/kernels.md" ${BENCH_ARGS:-}
   cat "$OUT/kernels.md" 2>/dev/null
 fi
 
