@@ -176,6 +176,12 @@ class BF16Payload(PayloadCodec):
     def _decode(self, rows, hidden, dtype):
         return rows.contiguous().view(torch.bfloat16).to(dtype)
 
+    def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        if hidden % FP8_GROUP:
+            raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
+        return _quantize_fp8(rows.contiguous().view(torch.bfloat16))  # the BF16 values as they are
+
 
 class FP8Payload(PayloadCodec):
     """E4M3 with one FP32 power-of-two scale per 1x128 block (``quantize_fp8_blockwise``)."""
