@@ -68,6 +68,9 @@ def _splits(n, experts, gaps):
     offs = torch.empty(experts, dtype=torch.int64)
     pos, slack = 0, n - int(lens.sum())
     for e in order.tolist():
+        if lens[e] == 0:  # empty segments at the end: check_splits calls one at another's start overlapping
+            offs[e] = n
+            continue
         gap = min(int(torch.randint(0, 3, ())), slack)
         pos, slack = pos + gap, slack - gap
         offs[e] = pos
@@ -191,7 +194,7 @@ def test_outputs_on_current_stream():
 
 
 def test_opcheck_cuda():
-    x = _float_input(64, 256, torch.bfloat16)
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)  # finite: opcheck compares with NaN != NaN
     packed, scales = formats.quantize_mxfp4(x)
     rows = formats.pack_mxfp4_rows(packed, scales)
     lens = torch.tensor([10, 0, 1, 40], device="cuda")

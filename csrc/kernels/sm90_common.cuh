@@ -28,20 +28,36 @@ __device__ __forceinline__ float ue8m0_value(uint32_t byte) {
 }
 
 // UE8M0 byte of a finite non-negative float32, rounded up to a power of two in bit space
-// (spec: encode_ue8m0(x, rounding="up")): exponent field plus one when any mantissa bit is set.
+// (spec: encode_ue8m0(x, rounding="up")): a normal q gives its exponent field plus one when any
+// mantissa bit is set; a subnormal q gives byte 0 (2^-127) up to 2^-127 and byte 1 above it.
 __device__ __forceinline__ uint32_t ue8m0_round_up(float q) {
-  const uint32_t u = __float_as_uint(q);
-  const uint32_t b = (u >> 23) + ((u & 0x7FFFFFu) != 0u ? 1u : 0u);
+  const uint32_t u = __float_as_uint(q), field = u >> 23, mant = u & 0x7FFFFFu;
+  const uint32_t b = field == 0u ? (mant > 0x400000u ? 1u : 0u) : field + (mant != 0u ? 1u : 0u);
   return b < 254u ? b : 254u;
 }
 
+// "Up" scale byte of a block whose absolute maximum has the finite bits amax_bits, for an element
+// format whose largest value is max_value = 1.m * 2^k with m's mantissa bits `max_mant` (spec:
+// encode_ue8m0(float32(amax / max_value), "up")). Where the quotient is a normal float32 (amax's
+// exponent field at least `min_field`), the byte follows from amax's bits alone: with amax =
+// 1.a * 2^e, float32(amax / max_value) lies in (2^(e-k-1), 2^(e-k)] when a <= m (rounding up gives
+// 2^(e-k)) and in (2^(e-k), 2^(e-k+1)) when a > m, the correctly rounded quotient never landing on a
+// power of two in the second case (checked exhaustively over every mantissa). Below `min_field` it
+// divides with IEEE __fdiv_rn as the spec does.
+template <uint32_t kMaxField, uint32_t kMaxMant, uint32_t kMinField>
+__device__ __forceinline__ uint32_t scale_byte_up(uint32_t amax_bits, float max_value) {
+  const uint32_t field = amax_bits >> 23;
+  if (field >= kMinField) return field - (kMaxField - 127u) + ((amax_bits & 0x7FFFFFu) > kMaxMant ? 1u : 0u);
+  return ue8m0_round_up(__fdiv_rn(__uint_as_float(amax_bits), max_value));
+}
+
 // Scale byte of an MX E2M1 block from the bits of its absolute maximum (spec: mx_scale_bytes).
-// "up": float32(amax / 6) correctly rounded (IEEE division), then rounded up to a power of two;
+// "up": float32(amax / 6) correctly rounded, then rounded up to a power of two in bit space;
 // "down": exponent field of amax minus 2 (E2M1's largest exponent), clamped at 0.
 // NaN or Inf in the block (amax bits >= Inf) gives 0xFF.
 __device__ __forceinline__ uint32_t e2m1_scale_byte(uint32_t amax_bits, bool round_up) {
   if (amax_bits >= kFloatInfBits) return kUe8m0Nan;
-  if (round_up) return ue8m0_round_up(__fdiv_rn(__uint_as_float(amax_bits), 6.0f));
+  if (round_up) return scale_byte_up<129u, 0x400000u, 5u>(amax_bits, 6.0f);  // 6 = 1.5 * 2^2
   const int e = int(amax_bits >> 23) - 2;
   return e > 0 ? uint32_t(e) : 0u;
 }
@@ -49,7 +65,14 @@ __device__ __forceinline__ uint32_t e2m1_scale_byte(uint32_t amax_bits, bool rou
 // Scale byte of an FP8 E4M3 1x128 group (spec: mx_scale_bytes(amax, E4M3, "up")).
 __device__ __forceinline__ uint32_t e4m3_scale_byte(uint32_t amax_bits) {
   if (amax_bits >= kFloatInfBits) return kUe8m0Nan;
-  return ue8m0_round_up(__fdiv_rn(__uint_as_float(amax_bits), 448.0f));
+  return scale_byte_up<135u, 0x600000u, 10u>(amax_bits, 448.0f);  // 448 = 1.75 * 2^8
+}
+
+// Lane-wise unsigned maximum of two pairs of 16-bit values (one instruction on sm_90).
+__device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
 }
 
 // E2M1 magnitude code (0..7) of a finite v >= 0: round to nearest, ties to even, saturating at 6.
@@ -62,6 +85,15 @@ __device__ __forceinline__ uint32_t e2m1_magnitude(float v) {
   const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u) - (252u << 22)) >> 22;
   const uint32_t normal = r < 7u ? r : 7u;
   return v < 1.0f ? sub : normal;
+}
+
+// E2M1 magnitude code (0..7) of a finite v >= 0 in the low byte of the result (the upper bytes are
+// not cleared): e2m1_magnitude without its final masking, for callers that pick bytes.
+__device__ __forceinline__ uint32_t e2m1_magnitude_low_byte(float v) {
+  const uint32_t sub = __float_as_uint(__fadd_rn(v, 4194304.0f));  // low byte: 2^22 + k/2 -> k
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t r = (u + 0x1FFFFFu + ((u >> 22) & 1u) - (252u << 22)) >> 22;
+  return v < 1.0f ? sub : min(r, 7u);
 }
 
 // Two float32 -> two E4M3 bytes (a in the low byte): round to nearest even, saturating to +-448.

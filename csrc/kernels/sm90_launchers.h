@@ -61,6 +61,7 @@ struct Mxfp4ToFp8ColsParams {
   float* out_scales;           // float32 [H, G]
   long long* group_offsets;    // int64 [E + 1] (output): first scale column of each expert, then G
   long long* workspace;        // int64 [E + 1] scratch: first row of each expert, then the rows covered
+  long long* group_rows;       // int64 [G, 2] scratch: first row and row count of each scale group
   long long rows;              // N
   int hidden;                  // H, a multiple of 128
   long long num_groups;        // G = sum_e ceil(len_e / 128), known to the caller

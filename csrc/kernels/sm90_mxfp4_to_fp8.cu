@@ -161,7 +161,7 @@ __device__ __forceinline__ int tile_chunk(int r, int k) {
 }
 
 // One segment-group prefix pass (a single block): group offsets (output), first row of each segment,
-// and the rows they cover in all.
+// the rows they cover in all, and for every scale group its first row and row count.
 __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp8ColsParams p) {
   __shared__ long long warp_groups[32], warp_rows[32];
   __shared__ long long carry_groups, carry_rows;
@@ -172,7 +172,8 @@ __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp
   for (int start = 0; start < seg.num; start += 1024) {
     const int e = start + threadIdx.x;
     const long long len = e < seg.num ? load_index(seg.lens, seg.is64, e) : 0;
-    long long ng = (len + kFp8Group - 1) / kFp8Group, nr = len;
+    const long long own_groups = (len + kFp8Group - 1) / kFp8Group;
+    long long ng = own_groups, nr = len;
 #pragma unroll
     for (int m = 1; m < 32; m <<= 1) {  // inclusive warp scan
       const long long a = __shfl_up_sync(0xFFFFFFFFu, ng, m), b = __shfl_up_sync(0xFFFFFFFFu, nr, m);
@@ -191,11 +192,16 @@ __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp
       warp_rows[lane] = r;
     }
     __syncthreads();
-    const long long before_g = carry_groups + (wid > 0 ? warp_groups[wid - 1] : 0) + ng - (len + kFp8Group - 1) / kFp8Group;
-    const long long before_r = carry_rows + (wid > 0 ? warp_rows[wid - 1] : 0) + nr - len;
+    const long long goff = carry_groups + (wid > 0 ? warp_groups[wid - 1] : 0) + ng - own_groups;
+    const long long roff = carry_rows + (wid > 0 ? warp_rows[wid - 1] : 0) + nr - len;
     if (e < seg.num) {
-      p.group_offsets[e] = before_g;
-      p.workspace[e] = seg.offsets != nullptr ? load_index(seg.offsets, seg.is64, e) : before_r;
+      const long long first = seg.offsets != nullptr ? load_index(seg.offsets, seg.is64, e) : roff;
+      p.group_offsets[e] = goff;
+      p.workspace[e] = first;
+      for (long long j = 0; j < own_groups && goff + j < p.num_groups; ++j) {
+        p.group_rows[2 * (goff + j)] = first + j * kFp8Group;
+        p.group_rows[2 * (goff + j) + 1] = min(static_cast<long long>(kFp8Group), len - j * kFp8Group);
+      }
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -236,23 +242,24 @@ __device__ __forceinline__ uint4 dequant8_bf16(uint32_t w, uint32_t hlo, uint32_
                     __byte_perm(l1, h1, 0x7362));
 }
 
-__device__ __forceinline__ long long upper_bound_groups(const long long* offs, int n, long long g) {
-  int lo = 0, hi = n;  // first index in [0, n) with offs[index] > g
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (offs[mid] > g) hi = mid; else lo = mid + 1;
-  }
-  return lo;
-}
-
-// 16 E4M3 bytes of one hidden column (16 tokens) to out[col, tok0 .. tok0 + n).
-__device__ __forceinline__ void store_column_bytes(uint8_t* dst, const uint32_t (&o)[4], int n, bool vec16) {
-  if (vec16 && n == 16) {
-    *reinterpret_cast<uint4*>(dst) = make_uint4(o[0], o[1], o[2], o[3]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (i < n) dst[i] = static_cast<uint8_t>(o[i >> 2] >> (8 * (i & 3)));
+// One hidden row of the staged output tile (the first `cnt` of its 128 token bytes, `src` in shared
+// memory) to dst, which may have any alignment: aligned 4-byte stores inside, single bytes at the
+// two ends (those words are shared with the neighbouring segments, written by other blocks).
+__device__ __forceinline__ void store_row_unaligned(uint8_t* dst, const uint8_t* src, int cnt, int lane) {
+  const int a0 = static_cast<int>(reinterpret_cast<uintptr_t>(dst) & 3);
+  uint8_t* base = dst - a0;
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(src);
+  const int nwords = (cnt + a0 + 3) >> 2;
+  for (int k = lane; k < nwords; k += 32) {
+    const int o = 4 * k - a0;  // tile byte of the word's first byte
+    if (o >= 0 && o + 4 <= cnt) {
+      const int q = o >> 2, r = o & 3;
+      const uint32_t v = r == 0 ? words[q] : __funnelshift_r(words[q], words[q + 1], 8 * r);
+      *reinterpret_cast<uint32_t*>(base + 4 * k) = v;
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        if (o + j >= 0 && o + j < cnt) base[4 * k + j] = src[o + j];
+      }
     }
   }
 }
@@ -260,44 +267,66 @@ __device__ __forceinline__ void store_column_bytes(uint8_t* dst, const uint32_t 
 template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
   __shared__ __align__(16) uint8_t tile[kTileRows * kTileRowBytes];  // 32 KB: 128 tokens x 128 bf16
-  const int tid = threadIdx.x, lane = tid & 31;
+  __shared__ __align__(16) uint8_t staged[kTileCols * kTileRows];    // 16 KB: 128 hidden x 128 tokens
+  const int tid = threadIdx.x, lane = tid & 31, warp_id = tid >> 5;
   const Segments& seg = p.segments;
   const int htiles = p.hidden / kTileCols;
   const long long num_tiles = p.num_groups * htiles;
   const long long n_out = p.rows;
-  for (long long v = blockIdx.x; v < num_tiles; v += gridDim.x) {
-    const long long g = v / htiles;
-    const int ht = static_cast<int>(v - g * htiles);
-    const int e = static_cast<int>(upper_bound_groups(p.group_offsets, seg.num + 1, g)) - 1;
-    const long long j = g - p.group_offsets[e];
-    const long long row0 = p.workspace[e] + j * kTileRows;
-    const long long len = load_index(seg.lens, seg.is64, e);
-    const int cnt = static_cast<int>(min(static_cast<long long>(kTileRows), len - j * kTileRows));
 
-    // Phase A: 128 rows x 4 MX blocks of this tile, one 16-byte load per (row, block); rows past the
-    // segment's end are zeros (the spec pads the last group with zeros).
+  // Registers of the tile being loaded: two (row, MX block) units of 16 packed bytes and a scale.
+  uint4 raw[2];
+  uint32_t sb[2];
+  long long g = 0, row0 = 0;
+  int ht = 0, cnt = 0;
+  auto locate = [&](long long v) {
+    g = v / htiles;
+    ht = static_cast<int>(v - g * htiles);
+    row0 = p.group_rows[2 * g];
+    cnt = static_cast<int>(p.group_rows[2 * g + 1]);
+  };
+  auto load = [&]() {
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
-      uint4 raw = make_uint4(0, 0, 0, 0);
-      uint32_t sbyte = 0;
-      if (r < cnt) {
+      raw[s] = make_uint4(0, 0, 0, 0);
+      sb[s] = 0;
+      if (r < cnt) {  // rows past the group's end are zeros (the spec pads the last group)
         const long long row = row0 + r;
-        raw = load_packed<kVec16>(p.packed + row * p.packed_stride + ht * (kTileCols / 2) + q * 16);
-        sbyte = p.scales[row * p.scales_stride + ht * (kTileCols / kMxBlock) + q];
+        raw[s] = load_packed<kVec16>(p.packed + row * p.packed_stride + ht * (kTileCols / 2) + q * 16);
+        sb[s] = p.scales[row * p.scales_stride + ht * (kTileCols / kMxBlock) + q];
       }
+    }
+  };
+
+  long long v = blockIdx.x;
+  if (v < num_tiles) {
+    locate(v);
+    load();
+  }
+  for (; v < num_tiles; v += gridDim.x) {
+    // Phase A: dequantize the loaded units (exactly, as bf16) into the swizzled tile.
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
       uint32_t hlo, hhi, llo, lhi;
-      block_tables(sbyte, hlo, hhi, llo, lhi);
+      block_tables(sb[s], hlo, hhi, llo, lhi);
       uint8_t* trow = tile + r * kTileRowBytes;
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 0) * 16) = dequant8_bf16(raw.x, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 1) * 16) = dequant8_bf16(raw.y, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 2) * 16) = dequant8_bf16(raw.z, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 3) * 16) = dequant8_bf16(raw.w, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 0) * 16) = dequant8_bf16(raw[s].x, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 1) * 16) = dequant8_bf16(raw[s].y, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 2) * 16) = dequant8_bf16(raw[s].z, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 3) * 16) = dequant8_bf16(raw[s].w, hlo, hhi, llo, lhi);
     }
     __syncthreads();
+    const long long g_cur = g, row0_cur = row0;
+    const int ht_cur = ht, cnt_cur = cnt;
+    if (v + gridDim.x < num_tiles) {  // the next tile's loads fly while this one is requantized
+      locate(v + gridDim.x);
+      load();
+    }
 
     // Phase B: thread (hp, tb) owns hidden columns 2hp, 2hp+1 and tokens 16tb .. 16tb+15.
-    const bool vec16 = ((n_out | row0) & 15) == 0;
+    const bool direct = ((n_out | row0_cur) & 15) == 0 && cnt_cur == kTileRows;
 #pragma unroll 1
     for (int s = 0; s < 2; ++s) {
       const int u = tid + s * kThreads, tb = u & 7, hp = u >> 3;
@@ -310,41 +339,54 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(con
       }
       uint32_t m = 0;
 #pragma unroll
-      for (int i = 0; i < 16; ++i) m = __vmaxu2(m, w[i] & 0x7FFF7FFFu);  // |bf16| bits, NaN on top
+      for (int i = 0; i < 16; ++i) m = max_u16x2(m, w[i] & 0x7FFF7FFFu);  // |bf16| bits, NaN on top
 #pragma unroll
-      for (int x = 1; x < 8; x <<= 1) m = __vmaxu2(m, __shfl_xor_sync(0xFFFFFFFFu, m, x));
+      for (int x = 1; x < 8; x <<= 1) m = max_u16x2(m, __shfl_xor_sync(0xFFFFFFFFu, m, x));
       const uint32_t s_lo = e4m3_scale_byte(m << 16), s_hi = e4m3_scale_byte(m & 0xFFFF0000u);
-      uint32_t o_lo[4] = {0, 0, 0, 0}, o_hi[4] = {0, 0, 0, 0};
+      uint4 o_lo = make_uint4(0, 0, 0, 0), o_hi = make_uint4(0, 0, 0, 0);
       if (s_lo != kUe8m0Nan) {
         const float inv = ue8m0_inverse(s_lo);
+        uint32_t o[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          o_lo[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] << 16), inv),
-                           __fmul_rn(__uint_as_float(w[4 * c + 1] << 16), inv),
-                           __fmul_rn(__uint_as_float(w[4 * c + 2] << 16), inv),
-                           __fmul_rn(__uint_as_float(w[4 * c + 3] << 16), inv));
+          o[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] << 16), inv),
+                        __fmul_rn(__uint_as_float(w[4 * c + 1] << 16), inv),
+                        __fmul_rn(__uint_as_float(w[4 * c + 2] << 16), inv),
+                        __fmul_rn(__uint_as_float(w[4 * c + 3] << 16), inv));
         }
+        o_lo = make_uint4(o[0], o[1], o[2], o[3]);
       }
       if (s_hi != kUe8m0Nan) {
         const float inv = ue8m0_inverse(s_hi);
+        uint32_t o[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          o_hi[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] & 0xFFFF0000u), inv),
-                           __fmul_rn(__uint_as_float(w[4 * c + 1] & 0xFFFF0000u), inv),
-                           __fmul_rn(__uint_as_float(w[4 * c + 2] & 0xFFFF0000u), inv),
-                           __fmul_rn(__uint_as_float(w[4 * c + 3] & 0xFFFF0000u), inv));
+          o[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] & 0xFFFF0000u), inv),
+                        __fmul_rn(__uint_as_float(w[4 * c + 1] & 0xFFFF0000u), inv),
+                        __fmul_rn(__uint_as_float(w[4 * c + 2] & 0xFFFF0000u), inv),
+                        __fmul_rn(__uint_as_float(w[4 * c + 3] & 0xFFFF0000u), inv));
         }
+        o_hi = make_uint4(o[0], o[1], o[2], o[3]);
       }
-      const long long col = static_cast<long long>(ht) * kTileCols + 2 * hp;
-      const int n = max(0, min(16, cnt - tb * 16));
-      uint8_t* dst = p.out + col * n_out + row0 + tb * 16;
-      if (n > 0) {
-        store_column_bytes(dst, o_lo, n, vec16);
-        store_column_bytes(dst + n_out, o_hi, n, vec16);
+      const long long col = static_cast<long long>(ht_cur) * kTileCols + 2 * hp;
+      if (direct) {
+        uint8_t* dst = p.out + col * n_out + row0_cur + tb * 16;
+        *reinterpret_cast<uint4*>(dst) = o_lo;
+        *reinterpret_cast<uint4*>(dst + n_out) = o_hi;
+      } else {
+        *reinterpret_cast<uint4*>(staged + (2 * hp) * kTileRows + tb * 16) = o_lo;
+        *reinterpret_cast<uint4*>(staged + (2 * hp + 1) * kTileRows + tb * 16) = o_hi;
       }
       if (tb == 0) {
-        p.out_scales[col * p.num_groups + g] = ue8m0_value(s_lo);
-        p.out_scales[(col + 1) * p.num_groups + g] = ue8m0_value(s_hi);
+        p.out_scales[col * p.num_groups + g_cur] = ue8m0_value(s_lo);
+        p.out_scales[(col + 1) * p.num_groups + g_cur] = ue8m0_value(s_hi);
+      }
+    }
+    if (!direct) {  // unaligned or short group: one warp per hidden row of the staged tile
+      __syncthreads();
+      for (int h = warp_id; h < kTileCols; h += kThreads / 32) {
+        uint8_t* dst = p.out + (static_cast<long long>(ht_cur) * kTileCols + h) * n_out + row0_cur;
+        store_row_unaligned(dst, staged + h * kTileRows, cnt_cur, lane);
       }
     }
     __syncthreads();

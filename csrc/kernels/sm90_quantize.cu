@@ -54,6 +54,39 @@ __device__ __forceinline__ void item_to_float(const uint4 (&r)[2], float (&f)[8]
 
 __device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
 
+// Bits of the absolute maximum of one item's 8 elements (NaN and Inf sort above every finite
+// value). bfloat16: lane-wise 16-bit maxima over the raw words, then widened.
+template <FloatInput kType>
+__device__ __forceinline__ uint32_t item_amax_bits(const uint4 (&r)[2], const float (&f)[8]) {
+  if constexpr (kType == FloatInput::kBFloat16) {
+    constexpr uint32_t kAbs = 0x7FFF7FFFu;
+    const uint32_t m = max_u16x2(max_u16x2(r[0].x & kAbs, r[0].y & kAbs), max_u16x2(r[0].z & kAbs, r[0].w & kAbs));
+    return max(m << 16, m & 0xFFFF0000u);
+  } else {
+    uint32_t amax = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(f[i]));
+    return amax;
+  }
+}
+
+// Eight E2M1 magnitude codes (low byte of each c[i]) and the signs of the eight inputs -> one word of
+// packed codes (element 2i in the low nibble of byte i): bytes first, then nibbles.
+__device__ __forceinline__ uint32_t pack_codes_with_signs(const uint32_t (&c)[8], const float (&f)[8]) {
+  const uint32_t u0 = __float_as_uint(f[0]), u1 = __float_as_uint(f[1]), u2 = __float_as_uint(f[2]);
+  const uint32_t u3 = __float_as_uint(f[3]), u4 = __float_as_uint(f[4]), u5 = __float_as_uint(f[5]);
+  const uint32_t u6 = __float_as_uint(f[6]), u7 = __float_as_uint(f[7]);
+  // Byte k: code of element k, its sign (bit 31 of the float, gathered as byte 3) moved to bit 3.
+  const uint32_t s_lo = __byte_perm(__byte_perm(u0, u1, 0x0073), __byte_perm(u2, u3, 0x0073), 0x5410);
+  const uint32_t s_hi = __byte_perm(__byte_perm(u4, u5, 0x0073), __byte_perm(u6, u7, 0x0073), 0x5410);
+  uint32_t x_lo = __byte_perm(__byte_perm(c[0], c[1], 0x0040), __byte_perm(c[2], c[3], 0x0040), 0x5410);
+  uint32_t x_hi = __byte_perm(__byte_perm(c[4], c[5], 0x0040), __byte_perm(c[6], c[7], 0x0040), 0x5410);
+  x_lo |= (s_lo >> 4) & 0x08080808u;
+  x_hi |= (s_hi >> 4) & 0x08080808u;
+  // Nibbles: byte 2j of x | x >> 4 holds code 2j | code 2j+1 << 4.
+  return __byte_perm(x_lo | (x_lo >> 4), x_hi | (x_hi >> 4), 0x6420);
+}
+
 template <FloatInput kType>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const QuantizeMxfp4Params p) {
   const int lane = threadIdx.x & 31;
@@ -84,21 +117,17 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
         const int item = base + u * 32 + lane;
         float f[8];
         item_to_float<kType>(raw[u], f);
-        // Absolute maximum as bits: NaN and Inf sort above every finite value.
-        uint32_t amax = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(f[i]));
+        uint32_t amax = item_amax_bits<kType>(raw[u], f);
         amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
         amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
         const uint32_t sbyte = e2m1_scale_byte(amax, p.round_up);
         uint32_t codes = 0;  // a NaN/Inf block keeps all codes 0
         if (sbyte != kUe8m0Nan) {
           const float inv = ue8m0_inverse(sbyte);
+          uint32_t c[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const uint32_t sign = (__float_as_uint(f[i]) >> 28) & 8u;
-            codes |= (e2m1_magnitude(__fmul_rn(fabsf(f[i]), inv)) | sign) << (4 * i);
-          }
+          for (int i = 0; i < 8; ++i) c[i] = e2m1_magnitude_low_byte(__fmul_rn(fabsf(f[i]), inv));
+          codes = pack_codes_with_signs(c, f);
         }
         if (item < items) {
           uint8_t* dst = prow + item * 4;
@@ -143,9 +172,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
         const int item = base + u * 32 + lane;
         float f[8];
         item_to_float<kType>(raw[u], f);
-        uint32_t amax = 0;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) amax = max(amax, abs_bits(f[i]));
+        uint32_t amax = item_amax_bits<kType>(raw[u], f);
 #pragma unroll
         for (int m = 1; m < 16; m <<= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
         const uint32_t sbyte = e4m3_scale_byte(amax);

@@ -227,7 +227,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   Tensor out = at::empty({h, n}, packed.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({h, num_groups}, packed.options().dtype(at::kFloat));
   Tensor group_offsets = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
-  Tensor workspace = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
+  Tensor workspace = at::empty({p.segments.num + 1 + 2 * num_groups}, packed.options().dtype(at::kLong));
   p.packed = packed.data_ptr<uint8_t>();
   p.packed_stride = packed.stride(0);
   p.scales = scales.data_ptr<uint8_t>();
@@ -236,6 +236,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.out_scales = out_scales.data_ptr<float>();
   p.group_offsets = reinterpret_cast<long long*>(group_offsets.data_ptr<int64_t>());
   p.workspace = reinterpret_cast<long long*>(workspace.data_ptr<int64_t>());
+  p.group_rows = p.workspace + p.segments.num + 1;
   p.rows = n;
   p.hidden = static_cast<int>(h);
   p.num_groups = num_groups;
