@@ -186,7 +186,7 @@ def test_fake_shapes():
 
 
 def test_opcheck_cpu():
-    x = _x(4, 128)
+    x = torch.randn(4, 128, dtype=torch.bfloat16)  # finite: opcheck compares outputs with NaN != NaN
     packed, scales = formats.quantize_mxfp4(x)
     rows = formats.pack_mxfp4_rows(packed, scales)
     lens = torch.tensor([1, 0, 3])
@@ -199,7 +199,7 @@ def test_opcheck_cpu():
         (_ops.quantize_fp8_blockwise_op, (x,)),
     ]
     for op, args in cases:
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+        torch.library.opcheck(op, args)
 
 
 def test_native_unavailable_on_cpu_build():
