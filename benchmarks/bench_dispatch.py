@@ -6,9 +6,12 @@
 See moe_fp4/ep/bench.py for the columns and options.
 """
 
+import pathlib
 import sys
 
-from moe_fp4.ep.bench import main
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the checkout, when not installed
+
+from moe_fp4.ep.bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())
