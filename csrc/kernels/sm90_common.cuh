@@ -2,6 +2,7 @@
 // (the numeric spec) written once in CUDA. CUDA toolkit headers only; no torch.
 #pragma once
 
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
@@ -68,11 +69,31 @@ __device__ __forceinline__ uint32_t e4m3_scale_byte(uint32_t amax_bits) {
   return scale_byte_up<135u, 0x600000u, 10u>(amax_bits, 448.0f);  // 448 = 1.75 * 2^8
 }
 
-// Lane-wise unsigned maximum of two pairs of 16-bit values (one instruction on sm_90).
+// Lane-wise unsigned maximum / minimum of two pairs of 16-bit values (one instruction on sm_90).
 __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   uint32_t r;
   asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
+}
+__device__ __forceinline__ uint32_t min_u16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("min.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// E2M1 magnitude codes of two scaled values v0, v1 >= 0 (finite, below 8) that are exact in float16
+// or below 2^-14 (true for bfloat16 and float16 inputs times a power of two): code of v0 in bits
+// 0..2, of v1 in bits 16..18. Works on both at once in float16: clamping at 6 keeps every code (all of
+// (6, 8) becomes 6), and adding 2^(e + 9), e = max(exponent of v, 0), whose ulp is v's E2M1 step
+// (0.5, 1 or 2), rounds v to nearest even on the E2M1 grid; the sum's low bits count the steps, and
+// 2e more steps give the code. Lanes never carry into each other.
+__device__ __forceinline__ uint32_t e2m1_pair_codes(float v0, float v1) {
+  const __half2 h = __floats2half2_rn(v0, v1);
+  const uint32_t hv = min_u16x2(*reinterpret_cast<const uint32_t*>(&h), 0x46004600u);  // min(v, 6)
+  const uint32_t g = max_u16x2(hv, 0x3C003C00u) & 0x7C007C00u;  // exponent field of max(v, 1)
+  const uint32_t magic = g + 0x24002400u;                       // times 2^9
+  const __half2 sum = __hadd2(*reinterpret_cast<const __half2*>(&hv), *reinterpret_cast<const __half2*>(&magic));
+  return *reinterpret_cast<const uint32_t*>(&sum) - magic + ((g >> 9) & 0x003F003Fu) - 0x001E001Eu;
 }
 
 // E2M1 magnitude code (0..7) of a finite v >= 0: round to nearest, ties to even, saturating at 6.

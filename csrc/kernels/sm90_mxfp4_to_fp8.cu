@@ -264,69 +264,118 @@ __device__ __forceinline__ void store_row_unaligned(uint8_t* dst, const uint8_t*
   }
 }
 
+// Asynchronous global -> shared copies (cp.async): `valid` false zero-fills the destination.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
+
+// Shared memory of the column kernel: the dequantized tile, the staged output, and two stages of
+// raw MXFP4 input (packed bytes and scales of 128 rows x 128 hidden) filled by cp.async.
+constexpr int kRawPackedBytes = kTileRows * (kTileCols / 2);     // 8 KB
+constexpr int kRawScaleBytes = kTileRows * (kTileCols / kMxBlock);  // 512 B
+constexpr int kRawStageBytes = kRawPackedBytes + kRawScaleBytes;
+constexpr int kColsSmemBytes = kTileRows * kTileRowBytes + kTileCols * kTileRows + 2 * kRawStageBytes;
+
+struct ColTile {
+  long long g = 0, row0 = 0;  // scale group (output scale column) and its first input row
+  int ht = 0, cnt = 0;        // hidden tile and rows in the group (<= 128)
+};
+
 template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
-  __shared__ __align__(16) uint8_t tile[kTileRows * kTileRowBytes];  // 32 KB: 128 tokens x 128 bf16
-  __shared__ __align__(16) uint8_t staged[kTileCols * kTileRows];    // 16 KB: 128 hidden x 128 tokens
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* tile = smem;                                   // 128 tokens x 128 bf16, swizzled chunks
+  uint8_t* staged = tile + kTileRows * kTileRowBytes;     // 128 hidden x 128 tokens of E4M3
+  uint8_t* raw_stages = staged + kTileCols * kTileRows;   // 2 x (packed [128][64], scales [128][4])
   const int tid = threadIdx.x, lane = tid & 31, warp_id = tid >> 5;
   const Segments& seg = p.segments;
   const int htiles = p.hidden / kTileCols;
   const long long num_tiles = p.num_groups * htiles;
   const long long n_out = p.rows;
+  const long long grid = gridDim.x;
 
-  // Registers of the tile being loaded: two (row, MX block) units of 16 packed bytes and a scale.
-  uint4 raw[2];
-  uint32_t sb[2];
-  long long g = 0, row0 = 0;
-  int ht = 0, cnt = 0;
   auto locate = [&](long long v) {
-    g = v / htiles;
-    ht = static_cast<int>(v - g * htiles);
-    row0 = p.group_rows[2 * g];
-    cnt = static_cast<int>(p.group_rows[2 * g + 1]);
+    ColTile t;
+    t.g = v / htiles;
+    t.ht = static_cast<int>(v - t.g * htiles);
+    t.row0 = p.group_rows[2 * t.g];
+    t.cnt = static_cast<int>(p.group_rows[2 * t.g + 1]);
+    return t;
   };
-  auto load = [&]() {
+  // Copies of one tile's input into raw stage `st`; rows past the group's end are zero-filled (the
+  // spec pads the last group with zeros).
+  auto issue = [&](const ColTile& t, int st) {
+    uint8_t* stage = raw_stages + st * kRawStageBytes;
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
-      raw[s] = make_uint4(0, 0, 0, 0);
-      sb[s] = 0;
-      if (r < cnt) {  // rows past the group's end are zeros (the spec pads the last group)
-        const long long row = row0 + r;
-        raw[s] = load_packed<kVec16>(p.packed + row * p.packed_stride + ht * (kTileCols / 2) + q * 16);
-        sb[s] = p.scales[row * p.scales_stride + ht * (kTileCols / kMxBlock) + q];
+      const bool valid = r < t.cnt;
+      const uint8_t* src =
+          valid ? p.packed + (t.row0 + r) * p.packed_stride + t.ht * (kTileCols / 2) + q * 16 : p.packed;
+      uint8_t* dst = stage + r * (kTileCols / 2) + q * 16;
+      if constexpr (kVec16) {
+        cp_async16(dst, src, valid);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) cp_async4(dst + 4 * j, valid ? src + 4 * j : src, valid);
       }
     }
+    if (tid < kTileRows) {
+      const bool valid = tid < t.cnt;
+      const uint8_t* src = valid ? p.scales + (t.row0 + tid) * p.scales_stride + t.ht * 4 : p.scales;
+      cp_async4(stage + kRawPackedBytes + tid * 4, src, valid);
+    }
   };
 
+  ColTile cur, nxt;
   long long v = blockIdx.x;
   if (v < num_tiles) {
-    locate(v);
-    load();
+    cur = locate(v);
+    issue(cur, 0);
   }
-  for (; v < num_tiles; v += gridDim.x) {
-    // Phase A: dequantize the loaded units (exactly, as bf16) into the swizzled tile.
+  cp_async_commit();
+  if (v + grid < num_tiles) {
+    nxt = locate(v + grid);
+    issue(nxt, 1);
+  }
+  cp_async_commit();
+
+  for (int it = 0; v < num_tiles; v += grid, ++it) {
+    const int st = it & 1;
+    cp_async_wait_one();  // this thread's copies of the current stage have landed
+    __syncthreads();      // ... and everybody's
+
+    // Phase A: dequantize the stage (exactly, as bf16) into the swizzled tile.
+    const uint8_t* stage = raw_stages + st * kRawStageBytes;
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
+      const uint4 raw = *reinterpret_cast<const uint4*>(stage + r * (kTileCols / 2) + q * 16);
       uint32_t hlo, hhi, llo, lhi;
-      block_tables(sb[s], hlo, hhi, llo, lhi);
+      block_tables(stage[kRawPackedBytes + r * 4 + q], hlo, hhi, llo, lhi);
       uint8_t* trow = tile + r * kTileRowBytes;
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 0) * 16) = dequant8_bf16(raw[s].x, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 1) * 16) = dequant8_bf16(raw[s].y, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 2) * 16) = dequant8_bf16(raw[s].z, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 3) * 16) = dequant8_bf16(raw[s].w, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 0) * 16) = dequant8_bf16(raw.x, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 1) * 16) = dequant8_bf16(raw.y, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 2) * 16) = dequant8_bf16(raw.z, hlo, hhi, llo, lhi);
+      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 3) * 16) = dequant8_bf16(raw.w, hlo, hhi, llo, lhi);
     }
-    __syncthreads();
-    const long long g_cur = g, row0_cur = row0;
-    const int ht_cur = ht, cnt_cur = cnt;
-    if (v + gridDim.x < num_tiles) {  // the next tile's loads fly while this one is requantized
-      locate(v + gridDim.x);
-      load();
+    __syncthreads();  // the tile is complete and the stage is free again
+    ColTile after;
+    if (v + 2 * grid < num_tiles) {  // two tiles ahead into the stage just consumed
+      after = locate(v + 2 * grid);
+      issue(after, st);
     }
+    cp_async_commit();
 
     // Phase B: thread (hp, tb) owns hidden columns 2hp, 2hp+1 and tokens 16tb .. 16tb+15.
-    const bool direct = ((n_out | row0_cur) & 15) == 0 && cnt_cur == kTileRows;
+    const bool direct = ((n_out | cur.row0) & 15) == 0 && cur.cnt == kTileRows;
 #pragma unroll 1
     for (int s = 0; s < 2; ++s) {
       const int u = tid + s * kThreads, tb = u & 7, hp = u >> 3;
@@ -368,9 +417,9 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(con
         }
         o_hi = make_uint4(o[0], o[1], o[2], o[3]);
       }
-      const long long col = static_cast<long long>(ht_cur) * kTileCols + 2 * hp;
+      const long long col = static_cast<long long>(cur.ht) * kTileCols + 2 * hp;
       if (direct) {
-        uint8_t* dst = p.out + col * n_out + row0_cur + tb * 16;
+        uint8_t* dst = p.out + col * n_out + cur.row0 + tb * 16;
         *reinterpret_cast<uint4*>(dst) = o_lo;
         *reinterpret_cast<uint4*>(dst + n_out) = o_hi;
       } else {
@@ -378,19 +427,22 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(con
         *reinterpret_cast<uint4*>(staged + (2 * hp + 1) * kTileRows + tb * 16) = o_hi;
       }
       if (tb == 0) {
-        p.out_scales[col * p.num_groups + g_cur] = ue8m0_value(s_lo);
-        p.out_scales[(col + 1) * p.num_groups + g_cur] = ue8m0_value(s_hi);
+        p.out_scales[col * p.num_groups + cur.g] = ue8m0_value(s_lo);
+        p.out_scales[(col + 1) * p.num_groups + cur.g] = ue8m0_value(s_hi);
       }
     }
     if (!direct) {  // unaligned or short group: one warp per hidden row of the staged tile
       __syncthreads();
       for (int h = warp_id; h < kTileCols; h += kThreads / 32) {
-        uint8_t* dst = p.out + (static_cast<long long>(ht_cur) * kTileCols + h) * n_out + row0_cur;
-        store_row_unaligned(dst, staged + h * kTileRows, cnt_cur, lane);
+        uint8_t* dst = p.out + (static_cast<long long>(cur.ht) * kTileCols + h) * n_out + cur.row0;
+        store_row_unaligned(dst, staged + h * kTileRows, cur.cnt, lane);
       }
     }
     __syncthreads();
+    cur = nxt;
+    nxt = after;
   }
+  asm volatile("cp.async.wait_all;\n" ::);
 
   // Columns of rows outside every segment are zero.
   const long long covered = p.workspace[seg.num];
@@ -411,9 +463,9 @@ int device_sms() {
 }
 
 template <typename Kernel>
-int persistent_grid(Kernel kernel, long long work_blocks) {
+int persistent_grid(Kernel kernel, long long work_blocks, int smem_bytes = 0) {
   int per_sm = 0;
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem_bytes);
   const long long cap = static_cast<long long>(device_sms()) * (per_sm > 0 ? per_sm : 1);
   return static_cast<int>(work_blocks < cap ? (work_blocks > 0 ? work_blocks : 1) : cap);
 }
@@ -443,10 +495,12 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   const long long work = tiles > zero_blocks ? tiles : zero_blocks;
   if (vec16) {
     auto k = sm90_mxfp4_to_fp8_cols_kernel<true>;
-    k<<<persistent_grid(k, work), kThreads, 0, stream>>>(p);
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kColsSmemBytes);
+    k<<<persistent_grid(k, work, kColsSmemBytes), kThreads, kColsSmemBytes, stream>>>(p);
   } else {
     auto k = sm90_mxfp4_to_fp8_cols_kernel<false>;
-    k<<<persistent_grid(k, work), kThreads, 0, stream>>>(p);
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kColsSmemBytes);
+    k<<<persistent_grid(k, work, kColsSmemBytes), kThreads, kColsSmemBytes, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -124,10 +124,23 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
         uint32_t codes = 0;  // a NaN/Inf block keeps all codes 0
         if (sbyte != kUe8m0Nan) {
           const float inv = ue8m0_inverse(sbyte);
-          uint32_t c[8];
+          if constexpr (kType == FloatInput::kFloat32) {
+            uint32_t c[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) c[i] = e2m1_magnitude_low_byte(__fmul_rn(fabsf(f[i]), inv));
-          codes = pack_codes_with_signs(c, f);
+            for (int i = 0; i < 8; ++i) c[i] = e2m1_magnitude_low_byte(__fmul_rn(fabsf(f[i]), inv));
+            codes = pack_codes_with_signs(c, f);
+          } else {
+            // 16-bit inputs: the scaled values are exact in float16, two codes per instruction.
+            const uint32_t w[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
+            uint32_t y[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              const uint32_t pc = e2m1_pair_codes(__fmul_rn(fabsf(f[2 * j]), inv), __fmul_rn(fabsf(f[2 * j + 1]), inv)) |
+                                  ((w[j] >> 12) & 0x00080008u);  // signs (bits 15, 31) to bits 3, 19
+              y[j] = pc | (pc >> 12);  // low byte: code 2j | code 2j+1 << 4
+            }
+            codes = __byte_perm(__byte_perm(y[0], y[1], 0x0040), __byte_perm(y[2], y[3], 0x0040), 0x5410);
+          }
         }
         if (item < items) {
           uint8_t* dst = prow + item * 4;

@@ -221,6 +221,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   TORCH_CHECK(num_groups >= 0, "num_groups: expected a non-negative count, got ", num_groups);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && packed.stride(0) % 4 == 0,
               "packed: rows must be 4-byte aligned");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0 && scales.stride(0) % 4 == 0,
+              "scales: rows must be 4-byte aligned");
   const c10::cuda::CUDAGuard guard(packed.device());
   moe_fp4::Mxfp4ToFp8ColsParams p{};
   p.segments = segments_of(split_lens, split_offsets, packed);
