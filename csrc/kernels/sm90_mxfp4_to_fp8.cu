@@ -242,24 +242,60 @@ __device__ __forceinline__ uint4 dequant8_bf16(uint32_t w, uint32_t hlo, uint32_
                     __byte_perm(l1, h1, 0x7362));
 }
 
-// One hidden row of the staged output tile (the first `cnt` of its 128 token bytes, `src` in shared
-// memory) to dst, which may have any alignment: aligned 4-byte stores inside, single bytes at the
-// two ends (those words are shared with the neighbouring segments, written by other blocks).
-__device__ __forceinline__ void store_row_unaligned(uint8_t* dst, const uint8_t* src, int cnt, int lane) {
-  const int a0 = static_cast<int>(reinterpret_cast<uintptr_t>(dst) & 3);
-  uint8_t* base = dst - a0;
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(src);
-  const int nwords = (cnt + a0 + 3) >> 2;
-  for (int k = lane; k < nwords; k += 32) {
-    const int o = 4 * k - a0;  // tile byte of the word's first byte
-    if (o >= 0 && o + 4 <= cnt) {
-      const int q = o >> 2, r = o & 3;
-      const uint32_t v = r == 0 ? words[q] : __funnelshift_r(words[q], words[q + 1], 8 * r);
-      *reinterpret_cast<uint32_t*>(base + 4 * k) = v;
+// 16 E4M3 bytes o (tokens 16tb .. 16tb+15 of one hidden column, `cnt` valid tokens in the group) to
+// `row` (the column's first token in the output, any alignment). The 8 lanes of a column are
+// consecutive (tb = lane & 7) and every lane must call this (it shuffles). With the column start at
+// r bytes past a 16-byte boundary, lane tb writes the aligned block that starts inside its chunk,
+// made of its last r bytes and the first 16 - r of lane tb + 1; lane 0 also writes the head before
+// the first boundary. Blocks that reach outside [0, cnt) are written byte by byte: they share their
+// other bytes with neighbouring segments, written by other blocks.
+__device__ __forceinline__ void store_column(uint8_t* row, const uint4& o, int tb, int cnt) {
+  uint4 nx;
+  nx.x = __shfl_down_sync(0xFFFFFFFFu, o.x, 1);
+  nx.y = __shfl_down_sync(0xFFFFFFFFu, o.y, 1);
+  nx.z = __shfl_down_sync(0xFFFFFFFFu, o.z, 1);
+  nx.w = __shfl_down_sync(0xFFFFFFFFu, o.w, 1);
+  uint8_t* mine = row + 16 * tb;
+  const int r = static_cast<int>(reinterpret_cast<uintptr_t>(mine) & 15);
+  const uint32_t ow[4] = {o.x, o.y, o.z, o.w};
+  if (r == 0) {
+    const int n = cnt - 16 * tb;
+    if (n >= 16) {
+      *reinterpret_cast<uint4*>(mine) = o;
     } else {
-      for (int j = 0; j < 4; ++j) {
-        if (o + j >= 0 && o + j < cnt) base[4 * k + j] = src[o + j];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        if (i < n) mine[i] = static_cast<uint8_t>(ow[i >> 2] >> (8 * (i & 3)));
       }
+    }
+    return;
+  }
+  if (tb == 0) {  // head: tokens [0, 16 - r) end at the first 16-byte boundary
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (i < 16 - r && i < cnt) mine[i] = static_cast<uint8_t>(ow[i >> 2] >> (8 * (i & 3)));
+    }
+  }
+  const int first = 16 * tb + 16 - r;  // first token of the aligned block this lane writes
+  if (first >= cnt) return;
+  // Bytes 16 - r .. 31 - r of (own 16 bytes, next lane's 16 bytes).
+  const uint32_t w0 = o.x, w1 = o.y, w2 = o.z, w3 = o.w, w4 = nx.x, w5 = nx.y, w6 = nx.z, w7 = nx.w;
+  const int off = 16 - r, q = off >> 2, sh = 8 * (off & 3);
+  const uint32_t t0 = q == 0 ? w0 : q == 1 ? w1 : q == 2 ? w2 : w3;
+  const uint32_t t1 = q == 0 ? w1 : q == 1 ? w2 : q == 2 ? w3 : w4;
+  const uint32_t t2 = q == 0 ? w2 : q == 1 ? w3 : q == 2 ? w4 : w5;
+  const uint32_t t3 = q == 0 ? w3 : q == 1 ? w4 : q == 2 ? w5 : w6;
+  const uint32_t t4 = q == 0 ? w4 : q == 1 ? w5 : q == 2 ? w6 : w7;
+  const uint32_t bw[4] = {__funnelshift_r(t0, t1, sh), __funnelshift_r(t1, t2, sh), __funnelshift_r(t2, t3, sh),
+                          __funnelshift_r(t3, t4, sh)};
+  uint8_t* block = mine + off;
+  const int n = cnt - first;
+  if (n >= 16) {
+    *reinterpret_cast<uint4*>(block) = make_uint4(bw[0], bw[1], bw[2], bw[3]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      if (i < n) block[i] = static_cast<uint8_t>(bw[i >> 2] >> (8 * (i & 3)));
     }
   }
 }
@@ -276,12 +312,11 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-// Shared memory of the column kernel: the dequantized tile, the staged output, and two stages of
-// raw MXFP4 input (packed bytes and scales of 128 rows x 128 hidden) filled by cp.async.
+// Shared memory of the column kernel: the dequantized tile and two stages of raw MXFP4 input (packed bytes and scales of 128 rows x 128 hidden) filled by cp.async.
 constexpr int kRawPackedBytes = kTileRows * (kTileCols / 2);     // 8 KB
 constexpr int kRawScaleBytes = kTileRows * (kTileCols / kMxBlock);  // 512 B
 constexpr int kRawStageBytes = kRawPackedBytes + kRawScaleBytes;
-constexpr int kColsSmemBytes = kTileRows * kTileRowBytes + kTileCols * kTileRows + 2 * kRawStageBytes;
+constexpr int kColsSmemBytes = kTileRows * kTileRowBytes + 2 * kRawStageBytes;
 
 struct ColTile {
   long long g = 0, row0 = 0;  // scale group (output scale column) and its first input row
@@ -289,12 +324,11 @@ struct ColTile {
 };
 
 template <bool kVec16>
-__global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
+__global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* tile = smem;                                   // 128 tokens x 128 bf16, swizzled chunks
-  uint8_t* staged = tile + kTileRows * kTileRowBytes;     // 128 hidden x 128 tokens of E4M3
-  uint8_t* raw_stages = staged + kTileCols * kTileRows;   // 2 x (packed [128][64], scales [128][4])
-  const int tid = threadIdx.x, lane = tid & 31, warp_id = tid >> 5;
+  uint8_t* tile = smem;                                    // 128 tokens x 128 bf16, swizzled chunks
+  uint8_t* raw_stages = tile + kTileRows * kTileRowBytes;  // 2 x (packed [128][64], scales [128][4])
+  const int tid = threadIdx.x, lane = tid & 31;
   const Segments& seg = p.segments;
   const int htiles = p.hidden / kTileCols;
   const long long num_tiles = p.num_groups * htiles;
@@ -375,7 +409,6 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(con
     cp_async_commit();
 
     // Phase B: thread (hp, tb) owns hidden columns 2hp, 2hp+1 and tokens 16tb .. 16tb+15.
-    const bool direct = ((n_out | cur.row0) & 15) == 0 && cur.cnt == kTileRows;
 #pragma unroll 1
     for (int s = 0; s < 2; ++s) {
       const int u = tid + s * kThreads, tb = u & 7, hp = u >> 3;
@@ -418,24 +451,12 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_mxfp4_to_fp8_cols_kernel(con
         o_hi = make_uint4(o[0], o[1], o[2], o[3]);
       }
       const long long col = static_cast<long long>(cur.ht) * kTileCols + 2 * hp;
-      if (direct) {
-        uint8_t* dst = p.out + col * n_out + cur.row0 + tb * 16;
-        *reinterpret_cast<uint4*>(dst) = o_lo;
-        *reinterpret_cast<uint4*>(dst + n_out) = o_hi;
-      } else {
-        *reinterpret_cast<uint4*>(staged + (2 * hp) * kTileRows + tb * 16) = o_lo;
-        *reinterpret_cast<uint4*>(staged + (2 * hp + 1) * kTileRows + tb * 16) = o_hi;
-      }
+      uint8_t* dst = p.out + col * n_out + cur.row0;
+      store_column(dst, o_lo, tb, cur.cnt);
+      store_column(dst + n_out, o_hi, tb, cur.cnt);
       if (tb == 0) {
         p.out_scales[col * p.num_groups + cur.g] = ue8m0_value(s_lo);
         p.out_scales[(col + 1) * p.num_groups + cur.g] = ue8m0_value(s_hi);
-      }
-    }
-    if (!direct) {  // unaligned or short group: one warp per hidden row of the staged tile
-      __syncthreads();
-      for (int h = warp_id; h < kTileCols; h += kThreads / 32) {
-        uint8_t* dst = p.out + (static_cast<long long>(cur.ht) * kTileCols + h) * n_out + cur.row0;
-        store_row_unaligned(dst, staged + h * kTileRows, cur.cnt, lane);
       }
     }
     __syncthreads();
