@@ -242,6 +242,30 @@ __device__ __forceinline__ uint4 dequant8_bf16(uint32_t w, uint32_t hlo, uint32_
                     __byte_perm(l1, h1, 0x7362));
 }
 
+// Bytes [lo, hi) of a 16-byte block held in w[0..3] (byte i of the block in w[i / 4]) to block + lo,
+// 0 <= lo <= hi <= 16, with the fewest naturally aligned stores of 8, 4, 2 and 1 bytes (the rest of
+// the block belongs to another segment and is written by another thread block).
+__device__ __forceinline__ void store_block_range(uint8_t* block, const uint32_t (&w)[4], int lo, int hi) {
+  while (lo < hi) {
+    const int n = hi - lo;
+    const uint32_t word = lo < 4 ? w[0] : lo < 8 ? w[1] : lo < 12 ? w[2] : w[3];
+    if ((lo & 7) == 0 && n >= 8) {
+      const uint32_t next = lo < 8 ? w[1] : w[3];
+      *reinterpret_cast<uint2*>(block + lo) = make_uint2(word, next);
+      lo += 8;
+    } else if ((lo & 3) == 0 && n >= 4) {
+      *reinterpret_cast<uint32_t*>(block + lo) = word;
+      lo += 4;
+    } else if ((lo & 1) == 0 && n >= 2) {
+      *reinterpret_cast<uint16_t*>(block + lo) = static_cast<uint16_t>(word >> (8 * (lo & 3)));
+      lo += 2;
+    } else {
+      block[lo] = static_cast<uint8_t>(word >> (8 * (lo & 3)));
+      lo += 1;
+    }
+  }
+}
+
 // 16 E4M3 bytes o (tokens 16tb .. 16tb+15 of one hidden column, `cnt` valid tokens in the group) to
 // `row` (the column's first token in the output, any alignment). The 8 lanes of a column are
 // consecutive (tb = lane & 7) and every lane must call this (it shuffles). With the column start at
@@ -262,19 +286,18 @@ __device__ __forceinline__ void store_column(uint8_t* row, const uint4& o, int t
     const int n = cnt - 16 * tb;
     if (n >= 16) {
       *reinterpret_cast<uint4*>(mine) = o;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        if (i < n) mine[i] = static_cast<uint8_t>(ow[i >> 2] >> (8 * (i & 3)));
-      }
+    } else if (n > 0) {
+      store_block_range(mine, ow, 0, n);
     }
     return;
   }
-  if (tb == 0) {  // head: tokens [0, 16 - r) end at the first 16-byte boundary
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (i < 16 - r && i < cnt) mine[i] = static_cast<uint8_t>(ow[i >> 2] >> (8 * (i & 3)));
-    }
+  if (tb == 0) {  // head: tokens [0, 16 - r) fill bytes r .. 15 of the aligned block before `mine`
+    // That block is the own 16 bytes shifted up by r bytes: word k takes own words k - q - 1, k - q.
+    const int q = r >> 2, sh = 8 * (r & 3);
+    auto own = [&](int i) { return i == 0 ? ow[0] : i == 1 ? ow[1] : i == 2 ? ow[2] : i == 3 ? ow[3] : 0u; };
+    const uint32_t hw[4] = {__funnelshift_l(own(-q - 1), own(-q), sh), __funnelshift_l(own(-q), own(1 - q), sh),
+                            __funnelshift_l(own(1 - q), own(2 - q), sh), __funnelshift_l(own(2 - q), own(3 - q), sh)};
+    store_block_range(mine - r, hw, r, min(16, r + cnt));
   }
   const int first = 16 * tb + 16 - r;  // first token of the aligned block this lane writes
   if (first >= cnt) return;
@@ -293,10 +316,7 @@ __device__ __forceinline__ void store_column(uint8_t* row, const uint4& o, int t
   if (n >= 16) {
     *reinterpret_cast<uint4*>(block) = make_uint4(bw[0], bw[1], bw[2], bw[3]);
   } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      if (i < n) block[i] = static_cast<uint8_t>(bw[i >> 2] >> (8 * (i & 3)));
-    }
+    store_block_range(block, bw, 0, n);
   }
 }
 
