@@ -230,6 +230,8 @@ def test_ragged_helpers():
     assert F.check_splits(torch.tensor([2, 2]), torch.tensor([4, 0]), 6).tolist() == [4, 0]
     with pytest.raises(ValueError, match="overlap"):
         F.check_splits(torch.tensor([3, 2]), torch.tensor([0, 2]), 6)
+    # empty segments never overlap, even at another segment's first row or at the end
+    assert F.check_splits(torch.tensor([0, 3, 0, 0]), torch.tensor([0, 0, 3, 6]), 6).tolist() == [0, 0, 3, 6]
     with pytest.raises(ValueError, match="split_lens: expected non-negative"):
         F.check_splits(torch.tensor([3, -1]), None, 6)
     with pytest.raises(ValueError, match="expert_ids"):

@@ -43,8 +43,9 @@ def check_splits(split_lens: torch.Tensor, split_offsets: torch.Tensor | None, t
         if int(offs.min()) < 0 or int((offs + lens).max()) > total_rows:
             raise ValueError(f"split_offsets: segments must lie inside [0, {total_rows}), got offsets "
                              f"{offs.tolist()} with lengths {lens.tolist()}")
-        order = torch.argsort(offs, stable=True)
-        so, sl = offs[order], lens[order]
+        nonempty = lens > 0  # an empty segment covers no row, wherever it sits
+        order = torch.argsort(offs[nonempty], stable=True)
+        so, sl = offs[nonempty][order], lens[nonempty][order]
         if bool((so[1:] < so[:-1] + sl[:-1]).any()):
             raise ValueError("split_offsets: segments overlap")
     return split_offsets.to(torch.int64)
