@@ -15,7 +15,7 @@ t0=$SECONDS
 
 build_rc=skipped
 if python -c "import moe_fp4.ops.build" > /dev/null 2>&1; then
-  timeout 180 python -m moe_fp4 build > "$OUT/build.log" 2>&1
+  timeout "${BUILD_S:-150}" python -m moe_fp4 build > "$OUT/build.log" 2>&1
   build_rc=$?
   # a failed build is not retried by every test worker: the layer runs on the spec instead
   [ "$build_rc" = 0 ] || export MOE_FP4_NATIVE=0
@@ -28,11 +28,11 @@ print('native_available', f() if f else 'n/a',
 " 2>&1 | tail -1)
 echo "build: $build_rc ($((SECONDS - t0)) s); $native"
 
-timeout -s INT -k 15 120 python -m pytest -q -p no:cacheprovider tests/test_ep_gpu.py > "$OUT/tests_gpu.log" 2>&1
+timeout -s INT -k 10 "${TESTS_S:-100}" python -m pytest -q -p no:cacheprovider tests/test_ep_gpu.py > "$OUT/tests_gpu.log" 2>&1
 tests_rc=$?
 echo "tests: rc=$tests_rc ($((SECONDS - t0)) s)"
 
-timeout -s INT -k 15 150 python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 --out "$OUT/dispatch.md" \
+timeout -s INT -k 10 "${BENCH_S:-140}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"
