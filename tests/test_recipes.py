@@ -474,3 +474,55 @@ def test_recipe_defaults_are_the_published_ones():
     f = FP8BlockwiseRecipe()
     assert f.block == 128 and f.operand_block("weight") == (128, 128) and f.operand_block("grad") == (1, 128)
     assert moe_fp4.autocast is autocast
+
+
+# ------------------------------------------------------------------------------------------------
+# the blockwise FP8 GEMM call: scale layouts and the first-use check, against a stand-in for cuBLAS
+# ------------------------------------------------------------------------------------------------
+
+
+def _cublas_like_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """Reads the scales the way cuBLAS does on sm_90: A's 1x128 scales outer-dim-major, B's 1x128
+    scales [L/128, C] row-major, B's 128x128 scales from memory as [C/128, L/128] rows whose
+    leading dimension is L/128 rounded up to a multiple of 4."""
+    r, length = a.shape
+    c = b.shape[1]
+    kb = length // 128
+    assert scale_a.shape == (r, kb) and scale_a.stride() == (1, r)
+    sa = scale_a
+    if tuple(scale_b.shape) == (kb, c):
+        sb = scale_b.t()  # [C, kb]
+    else:
+        ld = -(-kb // 4) * 4
+        tiles = torch.as_strided(scale_b, (c // 128, kb), (ld, 1))
+        sb = tiles.repeat_interleave(128, 0)
+    xa = a.float() * sa.repeat_interleave(128, 1)
+    xb = b.t().float() * sb.repeat_interleave(128, 1)
+    return torch.matmul(xa, xb.t()).to(out_dtype)
+
+
+@pytest.mark.parametrize("length", [256, 640, 1024])
+def test_blockwise_scaled_mm_layouts_and_first_use_check(monkeypatch, length):
+    from moe_fp4.recipes import recipes as R
+
+    monkeypatch.setattr(R, "_SCALED_MM_STATE", {})
+    monkeypatch.setattr(torch, "_scaled_mm", _cublas_like_scaled_mm)
+    a, b = spread(200, length), spread(256, length)
+    emu = FP8BlockwiseRecipe(backend="emulate")
+    for gemm in ("fprop", "wgrad"):
+        out = R._try_scaled_mm_nt(a, b, gemm, strict=True)
+        ref = emu.gemm_nt(a, b, gemm=gemm)
+        assert out is not None and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, rtol=2.0 ** -7, atol=1e-6 * float(ref.abs().max()))
+    assert all(v is True for v in R.scaled_mm_status().values()) and len(R.scaled_mm_status()) == 2
+
+    # a GEMM whose first product is wrong is caught by the first-use check, then left alone
+    monkeypatch.setattr(R, "_SCALED_MM_STATE", {})
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, scale_a, scale_b, out_dtype: (
+        _cublas_like_scaled_mm(a, b, scale_a, scale_b, out_dtype) * 1.5))
+    with pytest.warns(UserWarning, match="wrong product"):
+        assert R._try_scaled_mm_nt(a, b, "fprop", strict=False) is None
+    assert "wrong product" in next(iter(R.scaled_mm_status().values()))
+    assert R._try_scaled_mm_nt(a, b, "fprop", strict=False) is None  # remembered: emulation from now on
+    with pytest.raises(RuntimeError, match="wrong product"):
+        R._try_scaled_mm_nt(a, b, "fprop", strict=True)

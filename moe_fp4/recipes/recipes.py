@@ -324,19 +324,21 @@ class FP8BlockwiseRecipe(Recipe):
         return super().gemm_nt(a, b, gemm=gemm, generator=generator, out_dtype=out_dtype)
 
 
-# Per operand-block pair ("1x128*128x128", ...): True once torch._scaled_mm ran it, or the first
-# line of the error with which it refused it (that pair then uses the emulation).
+# Per layout key ("1x128*128x128 kb%4!=0", ...): True once torch._scaled_mm ran it and its first
+# result matched the emulation, else why not (refused, or a wrong result); such keys use the emulation.
 _SCALED_MM_STATE: dict[str, object] = {}
+_CHECK_REL_ERR = 2.0 ** -6  # a first result further than this from the emulation counts as wrong
 
 
 def scaled_mm_status() -> dict[str, object]:
-    """What ``torch._scaled_mm`` did with each blockwise operand pair tried so far: True (ran) or the
-    error message (refused; the emulation was used instead)."""
+    """What ``torch._scaled_mm`` did with each blockwise layout tried so far: True (ran, and its first
+    result matched the emulation) or a message (refused or wrong; the emulation is used instead)."""
     return dict(_SCALED_MM_STATE)
 
 
-def _pair_key(block_a, block_b) -> str:
-    return "*".join(f"{m}x{n}" for m, n in (block_a, block_b))
+def _layout_key(block_a, block_b, l_blocks: int) -> str:
+    pair = "*".join(f"{m}x{n}" for m, n in (block_a, block_b))
+    return f"{pair} kb%4{'==' if l_blocks % 4 == 0 else '!='}0"
 
 
 def fp8_blockwise_scaled_mm(
@@ -345,14 +347,27 @@ def fp8_blockwise_scaled_mm(
 ) -> torch.Tensor:
     """Real FP8 GEMM ``A @ B^T`` on blockwise-quantized operands through ``torch._scaled_mm``.
 
-    data_a float8_e4m3fn [R, L] with scales_a float32 [R, L/128] (block (1,128)) or [R/128, L/128]
-    (block (128,128)); data_b float8_e4m3fn [C, L] with scales_b likewise. Returns ``out_dtype``
-    [R, C] (cuBLAS gives bfloat16 for blockwise scaling). Scale layouts passed to cuBLAS: a 1x128
-    operand's scales outer-dim-major ([R, L/128] with strides (1, R)); B's 1x128 scales as
-    [L/128, C] row-major; 128x128 scales as [R/128, L/128] (A) or its transpose view (B).
+    data_a float8_e4m3fn [R, L] with scales_a float32 [R, L/128] (block (1,128)); data_b
+    float8_e4m3fn [C, L] with scales_b float32 [C, L/128] (block (1,128)) or [C/128, L/128] (block
+    (128,128)). R, C and L multiples of 128. Returns ``out_dtype`` [R, C] (cuBLAS computes bfloat16
+    for blockwise scaling).
+
+    Scale layouts handed to cuBLAS (through torch 2.11's ``_scaled_mm`` on sm_90): A's 1x128 scales
+    outer-dim-major ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's
+    128x128 scales as the transposed view [L/128, C/128] of a [C/128, L/128] buffer whose rows are
+    padded to a multiple of 4 blocks (cuBLAS reads them with that leading dimension; unpadded rows
+    gave wrong products on an H200 whenever L/128 was not a multiple of 4).
     """
-    sa = scales_a.t().contiguous().t() if tuple(block_a) == (1, FP8_BLOCK) else scales_a
-    sb = scales_b.t().contiguous() if tuple(block_b) == (1, FP8_BLOCK) else scales_b.t()
+    if tuple(block_a) != (1, FP8_BLOCK):
+        raise ValueError(f"block_a: expected (1, {FP8_BLOCK}), got {block_a!r}")
+    sa = scales_a.t().contiguous().t()
+    if tuple(block_b) == (1, FP8_BLOCK):
+        sb = scales_b.t().contiguous()
+    else:
+        c_blocks, l_blocks = scales_b.shape
+        padded = scales_b.new_zeros(c_blocks, -(-l_blocks // 4) * 4)
+        padded[:, :l_blocks] = scales_b
+        sb = padded[:, :l_blocks].t()
     out = torch._scaled_mm(data_a, data_b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     return out.to(out_dtype)
 
@@ -360,8 +375,9 @@ def fp8_blockwise_scaled_mm(
 def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool) -> torch.Tensor | None:
     role_a, role_b = GEMM_ROLES[gemm]
     block_a, block_b = FP8BlockwiseRecipe.operand_block(role_a), FP8BlockwiseRecipe.operand_block(role_b)
-    key = _pair_key(block_a, block_b)
-    if isinstance(_SCALED_MM_STATE.get(key), str) and not strict:
+    key = _layout_key(block_a, block_b, a.shape[1] // FP8_BLOCK)
+    state = _SCALED_MM_STATE.get(key)
+    if isinstance(state, str) and not strict:
         return None
     rows = a.shape[0]
     pad = -rows % FP8_BLOCK  # cuBLAS wants the row count aligned; zero rows quantize to zeros
@@ -371,13 +387,21 @@ def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool)
     db, sb = quantize_fp8_blockwise(b, block=block_b)
     try:
         out = fp8_blockwise_scaled_mm(da, sa, block_a, db, sb, block_b)
+        if state is not True:
+            # First use of this layout: check the product against the emulation once.
+            ref = torch.matmul(dequantize_fp8_blockwise(da, sa, block=block_a),
+                               dequantize_fp8_blockwise(db, sb, block=block_b).t())
+            err = float((out.float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+            if not err <= _CHECK_REL_ERR:
+                raise RuntimeError(f"torch._scaled_mm gave a wrong product (max error {err:.3g} of the "
+                                   f"largest value, emulation as reference)")
     except (RuntimeError, ValueError, NotImplementedError) as err:  # layouts this torch / cuBLAS refuses
         if strict:
             raise
         import warnings
 
         _SCALED_MM_STATE[key] = (" ".join(str(err).split()) or type(err).__name__)[:600]
-        warnings.warn(f"torch._scaled_mm refused blockwise FP8 {key} ({_SCALED_MM_STATE[key]}); "
+        warnings.warn(f"blockwise FP8 through torch._scaled_mm ({key}): {_SCALED_MM_STATE[key]}; "
                       f"FP8BlockwiseRecipe emulates {gemm}", stacklevel=3)
         return None
     _SCALED_MM_STATE[key] = True
