@@ -17,6 +17,7 @@ Writes DIR/ablation.json (curves, losses, timings), DIR/ablation.md (table) and 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -197,6 +198,33 @@ def step_time(recipe, args, train_data, device, n=4):
     return sorted(times)[len(times) // 2]
 
 
+def gradient_errors(args, train_data, device, batches: int = 4) -> dict[str, float]:
+    """One-step fidelity: ||g_recipe - g_fp32|| / ||g_fp32|| over all parameters, the same weights and
+    batches for every recipe (float32 GEMMs, no torch.autocast), mean over ``batches`` batches."""
+    torch.manual_seed(args.seed)
+    base = GPT(args.d_model, args.layers, args.heads, args.seq).to(device)
+    gen = torch.Generator(device="cpu").manual_seed(args.data_seed)
+    data = [batch_at(train_data, torch.randint(0, train_data.numel() - args.seq - 1, (args.batch,),
+                                               generator=gen).to(device), args.seq) for _ in range(batches)]
+
+    def grad(model, tokens, targets):
+        model.zero_grad(set_to_none=True)
+        logits = model(tokens)
+        F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    ref = [grad(base, *b) for b in data]
+    out = {}
+    for name, rec in recipes("float32").items():
+        if rec is None:
+            continue
+        model = copy.deepcopy(base)
+        convert_linears(model, rec)
+        errs = [float((grad(model, *b) - r).norm() / r.norm()) for b, r in zip(data, ref)]
+        out[name] = sum(errs) / len(errs)
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # report
 # ------------------------------------------------------------------------------------------------
@@ -275,6 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--eval-batches", type=int, default=16)
     p.add_argument("--gemm-dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--runs", default=None, help="comma-separated subset of the run names")
+    p.add_argument("--grad-error-only", action="store_true",
+                   help="only the one-step gradient error of each recipe against float32 (no training)")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -287,6 +317,13 @@ def main(argv=None) -> int:
     if args.runs:
         runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
     print(f"data: {nfiles} files under {root}, {data.numel()} bytes ({split} train)", flush=True)
+    if args.grad_error_only:
+        errs = gradient_errors(args, train_data, device)
+        lines = ["| recipe | relative gradient error vs float32 (mean of 4 batches) |", "|---|---|"]
+        lines += [f"| {k} | {v:.4f} |" for k, v in errs.items()]
+        (args.out / "gradient_error.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines), flush=True)
+        return 0
 
     steps = args.steps
     timings = {}
