@@ -349,6 +349,33 @@ def case_errors(ctx, seed):
     return None
 
 
+class _PackingBlockBackend(TorchDistributedBackend):
+    """Takes the per-rank block path of Buffer.dispatch (as NCCL does) over gloo, packing blocks."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.sends_blocks = True
+
+    def all_to_all_blocks(self, out, blocks, out_splits):
+        self.blocks_seen = [b.data_ptr() for b in blocks]
+        inp = torch.cat(blocks)
+        self.all_to_all(out, inp, out_splits, [b.shape[0] for b in blocks])
+
+
+def case_block_sends(ctx, seed):
+    """A rank that takes every token is sent the encoded rows themselves; the result is unchanged."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world, "one_expert")
+    for idx in idxs:  # every token goes to the last rank, every other one also to rank 0
+        idx[::2, 1] = 0
+    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+    backend = _PackingBlockBackend(ctx.group)
+    plain = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w)
+    blocked = Buffer(n_exp, ctx.group, payload="mxfp4", backend=backend).dispatch(x, idx, w)
+    assert_bitwise_equal(blocked.rows, plain.rows, "rows over per-rank blocks")
+    return len(backend.blocks_seen)
+
+
 def case_timeout(ctx, seed):
     """Rank 0 dispatches on a group with a short timeout; rank 1 never joins: rank 0 gets an error
     (not a hang) within about the timeout."""
@@ -425,6 +452,11 @@ def test_autograd_matches_single_process(pool, world, backward_payload):
 @pytest.mark.parametrize("world", [2, 3])
 def test_errors_raise_value_error_on_every_rank(pool, world):
     pool.run(case_errors, fresh_seed(), ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_per_rank_block_sends(pool, world):
+    assert pool.run(case_block_sends, fresh_seed(), ranks=world) == [world] * world
 
 
 def test_missing_peer_times_out_with_an_error(pool):

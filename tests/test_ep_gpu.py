@@ -76,7 +76,7 @@ def case_sync_budget(ctx, seed):
             out = buf.dispatch(x, idx, w)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(c.message) for c in caught if "synchroniz" in str(c.message).lower()]
+    syncs = [str(c.message) for c in caught if "called a synchronizing" in str(c.message)]
     assert len(syncs) <= 1, syncs
     y = out.values()
     torch.cuda.synchronize()

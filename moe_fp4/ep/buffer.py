@@ -260,9 +260,19 @@ class Buffer:
             handle = self._exchange_layout(x, topk_idx, topk_weights, codec)
         hidden = x.shape[1]
         rows = codec.encode(x)
-        send_rows = gather_rows(rows, handle.send_token)
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
-        self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
+        full = [n == handle.num_tokens for n in handle.send_counts]
+        if self.backend.sends_blocks and any(full):
+            # a rank that takes every token gets the encoded rows as they are (send order is token
+            # order): no packing copy; the other ranks' rows are gathered
+            blocks, start = [], 0
+            for n, whole in zip(handle.send_counts, full):
+                blocks.append(rows if whole else gather_rows(rows, handle.send_token[start:start + n]))
+                start += n
+            self.backend.all_to_all_blocks(recv_rows, blocks, handle.recv_counts)
+        else:
+            send_rows = gather_rows(rows, handle.send_token)
+            self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
         out = DispatchOutput(recv_rows, codec, hidden, handle)
         if return_fp8:
             out.to_fp8_blockwise()
