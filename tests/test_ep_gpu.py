@@ -67,7 +67,9 @@ def case_sync_budget(ctx, seed):
     idx = torch.argsort(torch.rand(64, 8, generator=g), 1)[:, :3].to(dev)
     w = torch.rand(64, 3, generator=g).to(dev)
     buf = Buffer(8, ctx.group, payload="bf16")
-    buf.dispatch(x, idx, w)  # warm up allocator and NCCL
+    warm = buf.dispatch(x, idx, w)  # warm up the allocator, NCCL and the combine kernels
+    buf.combine(warm.values(), warm.handle)
+    buf.combine(warm.values(), warm.handle, weighted=False)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_fp4.ep import _triton_combine
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
 from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order
 from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, gather_rows, get_payload
@@ -72,6 +73,8 @@ class DispatchHandle:
     slot_row: torch.Tensor
     slot_out: torch.Tensor
     slot_weights: torch.Tensor | None
+    slot_table: torch.Tensor  # int64 [n_recv, k]: the output row of (received token, slot), -1 if none
+    rank_table: torch.Tensor  # int64 [T, W]: the sent row of (token, rank), -1 if not sent there
 
     @property
     def num_recv_tokens(self) -> int:
@@ -182,6 +185,8 @@ class Buffer:
         self.experts_per_rank = check_experts(num_experts, self.world_size)
         self.num_experts = num_experts
         self.payload = get_payload(payload)
+        if _triton_combine.available(torch.empty(0, device=self.device)):
+            _triton_combine.check_bf16_store(self.device)
 
     @property
     def device(self) -> torch.device:
@@ -366,6 +371,9 @@ class Buffer:
         slot_key = torch.arange(k, device=dev).unsqueeze(0) * n_recv + torch.arange(n_recv, device=dev).unsqueeze(1)
         slot_key = torch.where(valid, slot_key, torch.full_like(slot_key, k * n_recv)).reshape(-1)
         slot_order = torch.sort(slot_key).indices[:n_rows]
+        slot_table = torch.where(valid.reshape(-1), pos, torch.full_like(pos, -1)).reshape(n_recv, k)
+        rank_table = torch.full((t * self.world_size + 1,), -1, dtype=torch.int64, device=dev)
+        rank_table.scatter_(0, send_token * self.world_size + send_rank, torch.arange(n_send, device=dev))
         return DispatchHandle(
             rank=self.rank, world_size=self.world_size, num_experts=self.num_experts, hidden=x.shape[1],
             num_topk=k, num_tokens=t, send_counts=send_counts, recv_counts=recv_counts, send_token=send_token,
@@ -376,6 +384,7 @@ class Buffer:
             slot_counts=slot_counts,
             slot_row=slot_order // k, slot_out=pos[slot_order],
             slot_weights=recv_w.reshape(-1)[slot_order] if recv_w is not None else None,
+            slot_table=slot_table, rank_table=rank_table[:t * self.world_size].reshape(t, self.world_size),
         )
 
     # -------------------------------------------------------------------------------------------
@@ -400,10 +409,20 @@ class Buffer:
             raise ValueError(f"y: expected {handle.num_rows} rows (the dispatch output's), got {y.shape[0]}")
         if weighted and handle.slot_weights is None:
             raise ValueError("weighted: the dispatch had no topk_weights; pass weighted=False or dispatch weights")
-        partial = self._local_sums(y, handle, weighted)
-        wire = codec.encode(partial)
+        fused = _triton_combine.available(y)
+        bf16_wire = codec.name == "bf16"
+        if fused:
+            weights = handle.recv_topk_weights if weighted else None
+            partial = _triton_combine.gather_sum(y, handle.slot_table, weights,
+                                                 torch.bfloat16 if bf16_wire else torch.float32)
+            wire = partial.view(torch.uint8) if bf16_wire else codec.encode(partial)
+        else:
+            wire = codec.encode(self._local_sums(y, handle, weighted))
         back = torch.empty(sum(handle.send_counts), wire.shape[1], dtype=torch.uint8, device=self.device)
         self.backend.all_to_all(back, wire, handle.send_counts, handle.recv_counts)
+        if fused:
+            values = back.view(torch.bfloat16) if bf16_wire else codec.decode(back, y.shape[1])
+            return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
         return self._rank_sums(codec.decode(back, y.shape[1]), handle).to(torch.bfloat16)
 
     def _local_sums(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool) -> torch.Tensor:
