@@ -225,3 +225,13 @@ def test_combine_with_a_quantized_wire(wire):
     ref = torch.zeros(13, 256)
     ref[routed] = ref[routed] + codec.decode(codec.encode(partial[routed]), 256)  # sums start from +0
     assert_bitwise_equal(buf.combine(y, out.handle, payload=wire), ref.to(torch.bfloat16), f"combine over {wire}")
+
+
+def test_gather_rows_into_a_slice():
+    from moe_fp4.ep.payloads import gather_rows
+
+    rows = torch.randint(0, 256, (9, 544), dtype=torch.uint8)
+    idx = torch.tensor([4, 0, 8])
+    dest = torch.zeros(7, 544, dtype=torch.uint8)
+    gather_rows(rows, idx, out=dest[2:5])
+    assert torch.equal(dest[2:5], rows[idx]) and not dest[:2].any() and not dest[5:].any()

@@ -57,22 +57,30 @@ def _native(name: str, t: torch.Tensor, *args, **kwargs):
 _WORDS = (torch.int64, torch.int32, torch.int16)
 
 
-def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def gather_rows(t: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """t[index] for a 2-D tensor whose rows may be a strided slice of wider rows: t [n, m] (any
     dtype, last dimension contiguous), index int64 [N] -> [N, m] contiguous, same dtype.
 
     Rows move as the widest machine words that divide them (a byte row of 3808 bytes moves as 476
-    int64), so the copy runs at memory speed whatever the payload's element type."""
+    int64), so the copy runs at memory speed whatever the payload's element type. ``out``: a
+    contiguous [N, m] tensor of t's dtype to write into (e.g. a slice of a receive buffer)."""
     nbytes = t.shape[1] * t.element_size()
     for word in _WORDS:
         size = word.itemsize
         if (size > t.element_size() and nbytes % size == 0 and (t.stride(0) * t.element_size()) % size == 0
                 and (t.storage_offset() * t.element_size()) % size == 0 and t.stride(1) == 1):
             try:
-                return t.view(word).index_select(0, index).view(t.dtype)
+                words = t.view(word)
+                if out is None:
+                    return words.index_select(0, index).view(t.dtype)
+                torch.index_select(words, 0, index, out=out.view(word))
+                return out
             except RuntimeError:  # a view the allocator's alignment does not allow: copy as is
                 break
-    return t.index_select(0, index)
+    if out is None:
+        return t.index_select(0, index)
+    torch.index_select(t, 0, index, out=out)
+    return out
 
 
 def _check_rows(rows: torch.Tensor, width: int, hidden: int, name: str = "rows") -> None:
