@@ -373,9 +373,9 @@ def case_block_sends(ctx, seed):
     plain = Buffer(n_exp, ctx.group, payload="mxfp4", point_to_point=False).dispatch(x, idx, w)
     blocked = Buffer(n_exp, ctx.group, payload="mxfp4", backend=backend, point_to_point=False).dispatch(x, idx, w)
     assert_bitwise_equal(blocked.rows, plain.rows, "rows over per-rank blocks")
-    p2p = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w)  # point-to-point, the default
-    assert_bitwise_equal(p2p.rows, plain.rows, "rows over point-to-point sends")
-    again = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, handle=plain.handle)
+    p2p = Buffer(n_exp, ctx.group, payload="mxfp4", point_to_point=True)
+    assert_bitwise_equal(p2p.dispatch(x, idx, w).rows, plain.rows, "rows over point-to-point sends")
+    again = p2p.dispatch(x, handle=plain.handle)
     assert_bitwise_equal(again.rows, plain.rows, "cached dispatch over point-to-point sends")
     return len(backend.blocks_seen)
 

@@ -184,17 +184,21 @@ class Buffer:
       torch.distributed is not initialised);
     payload: the default dispatch payload ("bf16", "fp8", "mxfp4", "nvfp4" or a PayloadCodec);
     backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
-      (checked against the group), or an AllToAllBackend."""
+      (checked against the group), or an AllToAllBackend;
+    point_to_point: send the payload rows as per-peer sends and copy this rank's own rows directly
+      (default False: one all_to_all_single)."""
 
-    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None, point_to_point: bool = True):
+    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None,
+                 point_to_point: bool = False):
         self.backend: AllToAllBackend = make_backend(group, backend)
         self.world_size = self.backend.world_size
         self.rank = self.backend.rank
         self.experts_per_rank = check_experts(num_experts, self.world_size)
         self.num_experts = num_experts
         self.payload = get_payload(payload)
-        # payload rows by point-to-point sends with the local rows copied directly (see
-        # _exchange_rows); False: one all_to_all_single
+        # True: payload rows by point-to-point sends with the local rows copied directly (see
+        # _exchange_rows). Off by default: on 2 H200s over NCCL it was slower than one
+        # all_to_all_single (benchmarks/results/dispatch.md)
         self.point_to_point = point_to_point
         if _triton_combine.available(torch.empty(0, device=self.device)):
             _triton_combine.check_bf16_store(self.device)
