@@ -182,3 +182,13 @@ def test_bad_arguments_raise_value_error_naming_them():
         F.dequantize_mxfp4(torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8))
     with pytest.raises(ValueError, match="x: dimension 0"):
         F.quantize_mxfp8(torch.randn(20, 32), axis=0)
+
+
+def test_empty_inputs_round_trip():
+    for rows in (0, 1):
+        x = torch.randn(rows, 64)
+        p, s = F.quantize_mxfp4(x)
+        assert p.shape == (rows, 32) and s.shape == (rows, 2)
+        assert F.dequantize_mxfp4(p, s).shape == (rows, 64)
+        d, sc = F.quantize_mxfp8(x)
+        assert F.dequantize_mxfp8(d, sc).shape == (rows, 64)

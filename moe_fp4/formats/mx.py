@@ -90,8 +90,9 @@ def dequantize_mx(
         raise ValueError(f"scales: expected shape {tuple(expected)}, got {tuple(scales.shape)}")
     values = decode_elements(codes, fmt).movedim(ax, -1)
     s = decode_ue8m0(scales).movedim(ax, -1)
-    values = values.reshape(*values.shape[:-1], -1, MX_BLOCK) * s.unsqueeze(-1)
-    return values.reshape(*values.shape[:-2], -1).movedim(-1, ax).to(dtype)
+    k = values.shape[-1]
+    values = values.reshape(*values.shape[:-1], k // MX_BLOCK, MX_BLOCK) * s.unsqueeze(-1)
+    return values.reshape(*values.shape[:-2], k).movedim(-1, ax).to(dtype)
 
 
 # ------------------------------------------------------------------------------------------------
