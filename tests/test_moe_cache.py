@@ -69,3 +69,12 @@ def test_parameters_small_and_unaligned_tensors_are_kept():
         mxfp4_activation_cache(min_numel=-1)
     with pytest.raises(ValueError, match="scale_rounding"):
         mxfp4_activation_cache(scale_rounding="nearest")
+
+
+def test_unpack_in_chunks_gives_the_same_tensor(monkeypatch):
+    import moe_fp4.moe.cache as C
+
+    monkeypatch.setattr(C, "_UNPACK_CHUNK_ELEMENTS", 96)  # 3 rows of 32 per chunk, 7 rows: a partial chunk
+    x = torch.randn(7, 32, dtype=torch.bfloat16)
+    cache = mxfp4_activation_cache(min_numel=1)
+    assert torch.equal(cache._unpack(cache._pack(x)), q(x))

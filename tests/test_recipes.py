@@ -494,6 +494,7 @@ def _cublas_like_scaled_mm(a, b, scale_a, scale_b, out_dtype):
         sb = scale_b.t()  # [C, kb]
     else:
         ld = -(-kb // 4) * 4
+        assert tuple(scale_b.shape) == (ld, c // 128) and scale_b.stride() == (1, ld)  # torch's check
         tiles = torch.as_strided(scale_b, (c // 128, kb), (ld, 1))
         sb = tiles.repeat_interleave(128, 0)
     xa = a.float() * sa.repeat_interleave(128, 1)

@@ -20,6 +20,7 @@ import torch
 from moe_fp4.formats import dequantize_mxfp4, quantize_mxfp4
 
 ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_UNPACK_CHUNK_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -108,4 +109,11 @@ class mxfp4_activation_cache(torch.autograd.graph.saved_tensors_hooks):
     def _unpack(obj):
         if not isinstance(obj, _Packed):
             return obj
-        return dequantize_mxfp4(obj.packed, obj.scales, dtype=obj.dtype).reshape(obj.shape)
+        rows, half = obj.packed.shape
+        out = torch.empty(rows, 2 * half, dtype=obj.dtype, device=obj.packed.device)
+        # Dequantize a slice of rows at a time: the spec's temporaries (about 20 bytes per element)
+        # must not outgrow the bytes the cache saves.
+        step = max(1, _UNPACK_CHUNK_ELEMENTS // (2 * half))
+        for r in range(0, rows, step):
+            out[r:r + step] = dequantize_mxfp4(obj.packed[r:r + step], obj.scales[r:r + step], dtype=obj.dtype)
+        return out.reshape(obj.shape)

@@ -354,9 +354,10 @@ def fp8_blockwise_scaled_mm(
 
     Scale layouts handed to cuBLAS (through torch 2.11's ``_scaled_mm`` on sm_90): A's 1x128 scales
     outer-dim-major ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's
-    128x128 scales as the transposed view [L/128, C/128] of a [C/128, L/128] buffer whose rows are
-    padded to a multiple of 4 blocks (cuBLAS reads them with that leading dimension; unpadded rows
-    gave wrong products on an H200 whenever L/128 was not a multiple of 4).
+    128x128 scales as the transposed view [round_up(L/128, 4), C/128] of a [C/128, round_up(L/128, 4)]
+    buffer whose rows are zero-padded to a multiple of 4 blocks (cuBLAS reads them with that leading
+    dimension: unpadded rows gave wrong products on an H200 whenever L/128 was not a multiple of 4, and
+    torch 2.11 refuses a view that hides the padding).
     """
     if tuple(block_a) != (1, FP8_BLOCK):
         raise ValueError(f"block_a: expected (1, {FP8_BLOCK}), got {block_a!r}")
@@ -367,7 +368,7 @@ def fp8_blockwise_scaled_mm(
         c_blocks, l_blocks = scales_b.shape
         padded = scales_b.new_zeros(c_blocks, -(-l_blocks // 4) * 4)
         padded[:, :l_blocks] = scales_b
-        sb = padded[:, :l_blocks].t()
+        sb = padded.t()  # [round_up(L/128, 4), C/128], strides (1, round_up(L/128, 4))
     out = torch._scaled_mm(data_a, data_b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     return out.to(out_dtype)
 
