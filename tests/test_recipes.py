@@ -484,7 +484,7 @@ def test_recipe_defaults_are_the_published_ones():
 def _cublas_like_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     """Reads the scales the way cuBLAS does on sm_90: A's 1x128 scales outer-dim-major, B's 1x128
     scales [L/128, C] row-major, B's 128x128 scales from memory as [C/128, L/128] rows whose
-    leading dimension is L/128 rounded up to a multiple of 4."""
+    leading dimension is L/128 rounded up to a multiple of 4 (so only L/128 % 4 == 0 reads right)."""
     r, length = a.shape
     c = b.shape[1]
     kb = length // 128
@@ -493,8 +493,9 @@ def _cublas_like_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     if tuple(scale_b.shape) == (kb, c):
         sb = scale_b.t()  # [C, kb]
     else:
+        # torch 2.11 accepts only the plain transposed view; cuBLAS then reads rows of round_up(kb, 4)
+        assert tuple(scale_b.shape) == (kb, c // 128) and scale_b.stride() == (1, kb)
         ld = -(-kb // 4) * 4
-        assert tuple(scale_b.shape) == (ld, c // 128) and scale_b.stride() == (1, ld)  # torch's check
         tiles = torch.as_strided(scale_b, (c // 128, kb), (ld, 1))
         sb = tiles.repeat_interleave(128, 0)
     xa = a.float() * sa.repeat_interleave(128, 1)

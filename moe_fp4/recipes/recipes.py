@@ -354,21 +354,25 @@ def fp8_blockwise_scaled_mm(
 
     Scale layouts handed to cuBLAS (through torch 2.11's ``_scaled_mm`` on sm_90): A's 1x128 scales
     outer-dim-major ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's
-    128x128 scales as the transposed view [round_up(L/128, 4), C/128] of a [C/128, round_up(L/128, 4)]
-    buffer whose rows are zero-padded to a multiple of 4 blocks (cuBLAS reads them with that leading
-    dimension: unpadded rows gave wrong products on an H200 whenever L/128 was not a multiple of 4, and
-    torch 2.11 refuses a view that hides the padding).
+    128x128 scales as the transposed view [L/128, C/128] of a contiguous [C/128, L/128] buffer. cuBLAS
+    reads those 128x128 scales with a leading dimension rounded up to 4 blocks (an H200 gave wrong
+    products whenever L/128 was not a multiple of 4) and torch 2.11 accepts no padded view, so for
+    128x128 scaling the reduction dimension itself is zero-padded to a multiple of 4 blocks (zero data
+    adds nothing to the product; the padded scales are 1).
     """
     if tuple(block_a) != (1, FP8_BLOCK):
         raise ValueError(f"block_a: expected (1, {FP8_BLOCK}), got {block_a!r}")
+    if tuple(block_b) != (1, FP8_BLOCK):
+        l_blocks = scales_b.shape[1]
+        extra = -l_blocks % 4
+        if extra:
+            zeros = torch.nn.functional.pad
+            data_a = zeros(data_a.view(torch.uint8), (0, extra * FP8_BLOCK)).view(data_a.dtype)
+            data_b = zeros(data_b.view(torch.uint8), (0, extra * FP8_BLOCK)).view(data_b.dtype)
+            scales_a = zeros(scales_a, (0, extra), value=1.0)
+            scales_b = zeros(scales_b, (0, extra), value=1.0)
     sa = scales_a.t().contiguous().t()
-    if tuple(block_b) == (1, FP8_BLOCK):
-        sb = scales_b.t().contiguous()
-    else:
-        c_blocks, l_blocks = scales_b.shape
-        padded = scales_b.new_zeros(c_blocks, -(-l_blocks // 4) * 4)
-        padded[:, :l_blocks] = scales_b
-        sb = padded.t()  # [round_up(L/128, 4), C/128], strides (1, round_up(L/128, 4))
+    sb = scales_b.t().contiguous() if tuple(block_b) == (1, FP8_BLOCK) else scales_b.contiguous().t()
     out = torch._scaled_mm(data_a, data_b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
     return out.to(out_dtype)
 
