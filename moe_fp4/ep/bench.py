@@ -95,18 +95,9 @@ class _Timer:
 
 
 def _native_state() -> str:
-    try:
-        from moe_fp4 import ops
-    except Exception as e:  # noqa: BLE001
-        return f"moe_fp4.ops unavailable ({type(e).__name__})"
-    have = [n for n in ("quantize_mxfp4_rows", "mxfp4_rows_to_fp8_blockwise", "quantize_fp8_blockwise")
-            if hasattr(ops, n)]
-    native = getattr(ops, "native_available", None)
-    try:
-        state = bool(native()) if native else False
-    except Exception:  # noqa: BLE001
-        state = False
-    return f"native ops built: {state}; ops present: {', '.join(have) or 'none'}"
+    from moe_fp4 import ops
+
+    return f"native ops built: {ops.native_available()}"
 
 
 def _routing(t, k, num_experts, device, seed):

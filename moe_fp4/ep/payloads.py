@@ -2,8 +2,8 @@
 
 Every codec turns x [T, H] into uint8 rows [T, row_bytes(H)] (NCCL and gloo cannot carry float8
 dtypes, and a single byte dtype lets every format share one all-to-all). The bytes are those of the
-numeric spec (``moe_fp4.formats``); on CUDA the native ops of ``moe_fp4.ops`` produce the same bytes
-faster where they exist. Row layouts:
+numeric spec (``moe_fp4.formats``), produced through ``moe_fp4.ops`` where an op exists (native
+kernels on CUDA, the spec itself elsewhere). Row layouts:
 
   bf16    H bf16 values                                         2H bytes
   fp8     H E4M3 bytes, then H/128 FP32 power-of-two scales      H + H/32 bytes
@@ -21,37 +21,11 @@ direct MXFP4 -> FP8 conversion (no BF16 detour), bf16 and nvfp4 rows are quantiz
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
-from moe_fp4 import formats
+from moe_fp4 import formats, ops
 
-FP8_GROUP = 128
-
-
-_NATIVE_FAILED: set[str] = set()
-
-
-def _native(name: str, t: torch.Tensor, *args, **kwargs):
-    """``moe_fp4.ops.<name>(*args, **kwargs)`` for CUDA tensors when the package provides it, else
-    None (the caller then uses the spec). The ops give the spec's bytes; on CPU the spec is called
-    directly. An op that rejects the call is reported once and not tried again."""
-    if not t.is_cuda or name in _NATIVE_FAILED:
-        return None
-    try:
-        from moe_fp4 import ops
-    except Exception:  # the ops package may be missing or half-built: use the spec
-        return None
-    fn = getattr(ops, name, None)
-    if fn is None:
-        return None
-    try:
-        return fn(*args, **kwargs)
-    except (TypeError, ValueError, NotImplementedError) as e:
-        _NATIVE_FAILED.add(name)
-        warnings.warn(f"moe_fp4.ops.{name} rejected a payload call ({e}); using the spec instead", stacklevel=3)
-        return None
+FP8_GROUP = formats.FP8_GROUP
 
 
 _WORDS = (torch.int64, torch.int32, torch.int16)
@@ -127,8 +101,7 @@ class PayloadCodec:
     def _decode(self, rows: torch.Tensor, hidden: int, dtype: torch.dtype) -> torch.Tensor:
         raise NotImplementedError
 
-    def to_fp8_blockwise(self, rows: torch.Tensor, hidden: int, split_lens: torch.Tensor | None = None,
-                         split_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def to_fp8_blockwise(self, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Default: decode to float32, then the spec's (or native) FP8 1x128 quantization."""
         if hidden % FP8_GROUP:
             raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
@@ -162,10 +135,7 @@ def _quantize_fp8(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = values.shape[1]
         return (torch.empty(0, h, dtype=torch.float8_e4m3fn, device=values.device),
                 torch.empty(0, h // FP8_GROUP, dtype=torch.float32, device=values.device))
-    got = _native("quantize_fp8_blockwise", values, values)
-    if got is not None:
-        return got[0], got[1]
-    return formats.quantize_fp8_blockwise(values, block=(1, FP8_GROUP))
+    return ops.quantize_fp8_blockwise(values)
 
 
 class BF16Payload(PayloadCodec):
@@ -184,7 +154,7 @@ class BF16Payload(PayloadCodec):
     def _decode(self, rows, hidden, dtype):
         return rows.contiguous().view(torch.bfloat16).to(dtype)
 
-    def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
+    def to_fp8_blockwise(self, rows, hidden):
         _check_rows(rows, self.row_bytes(hidden), hidden)
         if hidden % FP8_GROUP:
             raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
@@ -217,7 +187,7 @@ class FP8Payload(PayloadCodec):
         data, scales = self.split(rows, hidden)
         return formats.dequantize_fp8_blockwise(data, scales, block=(1, FP8_GROUP), dtype=dtype)
 
-    def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
+    def to_fp8_blockwise(self, rows, hidden):
         return self.split(rows, hidden)
 
     def gather_fp8_blockwise(self, rows, hidden, index):
@@ -248,28 +218,19 @@ class MXFP4Payload(PayloadCodec):
         self._check_x(x)
         if x.shape[0] == 0:
             return self.empty_rows(x.shape[1], x.device)
-        got = _native("quantize_mxfp4_rows", x, x, scale_rounding=self.scale_rounding)
-        if got is not None:
-            return got
-        packed, scales = formats.quantize_mxfp4(x, scale_rounding=self.scale_rounding)
-        return formats.pack_mxfp4_rows(packed, scales)
+        return ops.quantize_mxfp4_rows(x, scale_rounding=self.scale_rounding)
 
     def _decode(self, rows, hidden, dtype):
         packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
         return formats.dequantize_mxfp4(packed, scales, dtype=dtype)
 
-    def to_fp8_blockwise(self, rows, hidden, split_lens=None, split_offsets=None):
+    def to_fp8_blockwise(self, rows, hidden):
         _check_rows(rows, self.row_bytes(hidden), hidden)
         if hidden % FP8_GROUP:
             raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
         if rows.shape[0] == 0:
             return _quantize_fp8(torch.empty(0, hidden, device=rows.device))
-        got = _native("mxfp4_rows_to_fp8_blockwise", rows, rows, hidden, split_lens=split_lens,
-                      split_offsets=split_offsets)
-        if got is not None:
-            return got[0], got[1]
-        packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
-        data, fp32_scales, _underflow = formats.mxfp4_to_fp8_blockwise(packed, scales)
+        data, fp32_scales, _underflow = ops.mxfp4_rows_to_fp8_blockwise(rows, hidden)
         return data, fp32_scales
 
 

@@ -7,8 +7,8 @@ by design: backward sees ``dequantize_mxfp4(quantize_mxfp4(t))`` in place of ``t
 
 Eligible tensors: floating point (bfloat16, float16, float32), last dimension a multiple of 32, at
 least ``min_numel`` elements, and not a parameter (a leaf that requires grad) nor a view of one, so
-weights saved by linear layers stay exact. Everything else is kept as it is. On CUDA the native
-``moe_fp4.ops.quantize_mxfp4`` kernel is used when it is built; elsewhere the spec.
+weights saved by linear layers stay exact. Everything else is kept as it is. Packing goes through
+``moe_fp4.ops.quantize_mxfp4`` (the native kernel on CUDA, the spec elsewhere).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from moe_fp4.formats import dequantize_mxfp4, quantize_mxfp4
+from moe_fp4 import ops
+from moe_fp4.formats import dequantize_mxfp4
 
 ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _UNPACK_CHUNK_ELEMENTS = 1 << 22
@@ -42,18 +43,6 @@ def _is_parameter_like(t: torch.Tensor) -> bool:
         return True
     base = t._base
     return base is not None and base.is_leaf and base.requires_grad
-
-
-def _quantizer(device: torch.device):
-    if device.type == "cuda":
-        try:
-            from moe_fp4 import ops
-
-            if getattr(ops, "native_available", lambda: False)():
-                return ops.quantize_mxfp4
-        except ImportError:
-            pass
-    return quantize_mxfp4
 
 
 class _Packed:
@@ -99,7 +88,7 @@ class mxfp4_activation_cache(torch.autograd.graph.saved_tensors_hooks):
             self.stats.tensors_kept += 1
             return t
         flat = t.detach().reshape(-1, t.shape[-1])
-        packed, scales = _quantizer(t.device)(flat, scale_rounding=self.scale_rounding)
+        packed, scales = ops.quantize_mxfp4(flat, scale_rounding=self.scale_rounding)
         self.stats.tensors_packed += 1
         self.stats.bytes_original += t.numel() * t.element_size()
         self.stats.bytes_packed += packed.numel() + scales.numel()
