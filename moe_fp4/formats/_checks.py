@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def check_tensor(t, name: str, *, dtypes=None, min_dim: int = 0) -> None:
+def check_tensor(t, name: str, *, dtypes=None, min_dim: int = 0, dim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
         want = ", ".join(str(d) for d in dtypes)
         raise ValueError(f"{name}: expected dtype in ({want}), got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name}: expected {dim} dimension(s), got shape {tuple(t.shape)}")
     if t.dim() < min_dim:
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
 

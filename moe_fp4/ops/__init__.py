@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
+from moe_fp4.formats._checks import check_tensor
 from moe_fp4.ops import _native, _ops
 from moe_fp4.ops import build as _build_command  # noqa: F401  (loaded first: `build` below is the function)
 
@@ -69,12 +70,7 @@ def build(verbose: bool = False):
 
 
 def _tensor(t, name, dtypes, dim=None):
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype in ({', '.join(map(str, dtypes))}), got {t.dtype}")
-    if dim is not None and t.dim() != dim:
-        raise ValueError(f"{name}: expected {dim} dimension(s), got shape {tuple(t.shape)}")
+    check_tensor(t, name, dtypes=dtypes, dim=dim)
 
 
 def _float_rows(x, block):
