@@ -189,6 +189,14 @@ class MXFP8Recipe(Recipe):
 # ------------------------------------------------------------------------------------------------
 
 
+def _fp4_operand(recipe, t, role: str, gemm: str):
+    """The FP4 recipes' shared operand treatment: the random Hadamard transform on wgrad inputs
+    (``wgrad_rht``), stochastic rounding for gradients (``stochastic_rounding``). Returns (t, rounding)."""
+    if gemm == "wgrad" and recipe.wgrad_rht:
+        t = apply_rht(t)
+    return t, ("stochastic" if (role == "grad" and recipe.stochastic_rounding) else "nearest")
+
+
 @dataclass(frozen=True, kw_only=True)
 class NVFP4Recipe(Recipe):
     """NVFP4 (NVIDIA's NVFP4 pretraining report; TransformerEngine's NVFP4BlockScaling).
@@ -222,9 +230,7 @@ class NVFP4Recipe(Recipe):
         return self.stochastic_rounding
 
     def quantize_rows(self, t, *, role, gemm, generator=None, split_tensor_scale=False):
-        if gemm == "wgrad" and self.wgrad_rht:
-            t = apply_rht(t)
-        rounding = "stochastic" if (role == "grad" and self.stochastic_rounding) else "nearest"
+        t, rounding = _fp4_operand(self, t, role, gemm)
         block_2d = role == "weight" and self.weight_2d
         packed, scales, gs = quantize_nvfp4(t, block_2d=block_2d, rounding=rounding, generator=generator)
         if split_tensor_scale:
@@ -259,9 +265,7 @@ class MXFP4Recipe(Recipe):
         return self.stochastic_rounding
 
     def quantize_rows(self, t, *, role, gemm, generator=None, split_tensor_scale=False):
-        if gemm == "wgrad" and self.wgrad_rht:
-            t = apply_rht(t)
-        rounding = "stochastic" if (role == "grad" and self.stochastic_rounding) else "nearest"
+        t, rounding = _fp4_operand(self, t, role, gemm)
         packed, scales = quantize_mxfp4(t, scale_rounding=self.scale_rounding, rounding=rounding,
                                         generator=generator)
         return dequantize_mxfp4(packed, scales), None
