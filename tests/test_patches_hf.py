@@ -80,6 +80,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def case_model(ctx, seed: int, payload: str):
     """Forward (eval) and backward (train) checks on one rank; returns measured errors."""
     model, _ = make_model(seed)
+    model.to(ctx.device)
     ref = copy.deepcopy(model)
     emu = copy.deepcopy(model)  # the unpatched model with the payload's rounding of the expert inputs
     emulate_payload(emu, payload)
@@ -99,6 +100,8 @@ def case_model(ctx, seed: int, payload: str):
             name, (tuple(a.detach() for a in args), out.detach())))
 
     ids, labels = world_inputs(seed)
+    ids = [i.to(ctx.device) for i in ids]
+    labels = [lab.to(ctx.device) for lab in labels]
     mine = ids[ctx.rank]
     out = {"block": [], "bound_ratio": []}
 
@@ -162,8 +165,28 @@ def pool():
     p.close()
 
 
+@pytest.fixture(scope="module")
+def nccl_pool():
+    from moe_fp4.ep.testing import WorkerPool
+
+    p = WorkerPool(WORLD, "nccl", timeout_s=120)
+    yield p
+    p.close()
+
+
 @pytest.mark.parametrize("payload", ["bf16", "mxfp4"])
 def test_patched_mixtral_matches_unpatched(pool, payload):
+    check_patched_mixtral(pool, payload)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("payload", ["bf16", "mxfp4"])
+def test_patched_mixtral_matches_unpatched_nccl(nccl_pool, payload):
+    """The same checks with the model on 2 GPUs and the dispatch over NCCL (native MXFP4 kernels)."""
+    check_patched_mixtral(nccl_pool, payload)
+
+
+def check_patched_mixtral(pool, payload):
     seed = random.randrange(1 << 30)
     results = pool.run(case_model, seed, payload)
     print(payload, seed, results)
