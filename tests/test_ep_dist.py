@@ -18,6 +18,7 @@ from _compare import assert_bitwise_equal
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
 from moe_fp4.ep.backends import TorchDistributedBackend
+from moe_fp4.ep.symmetric import chunk_bounds
 
 H = 128  # a multiple of 128 so that every payload (fp8 too) applies
 SCENARIOS = ("random", "empty_rank", "one_expert", "k_gt_local", "duplicates", "no_route")
@@ -380,6 +381,45 @@ def case_block_sends(ctx, seed):
     return len(backend.blocks_seen)
 
 
+def case_direct_plan(ctx, seed, scenario):
+    """The handle's batch sizes, count matrix and source token indices, and the direct backend's
+    index plan (where each rank reads its rows and combine partials in the peers' buffers); the
+    caller checks them across ranks."""
+    from moe_fp4.ep.symmetric import direct_plan
+
+    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
+    x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
+    h = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w).handle
+    plan = direct_plan(h, 3)
+    return dict(tokens=h.peer_num_tokens, counts=h.count_matrix, send=h.send_counts, recv=h.recv_counts,
+                src_token=h.recv_src_token.tolist(), send_token=h.send_token.tolist(),
+                recv_rank=plan["recv_rank"].tolist(), chunk=plan["recv_chunk"].tolist(),
+                peer_table=plan["peer_rank_table"].tolist(), send_rank=plan["send_rank"].tolist(),
+                send_peer_row=plan["send_peer_row"].tolist(), n=x.shape[0])
+
+
+def check_direct_plan(res):
+    """Every rank's view of the direct plan agrees with the other ranks' handles."""
+    world = len(res)
+    for me, r in enumerate(res):
+        assert r["tokens"] == [q["n"] for q in res]
+        assert r["counts"] == [q["send"] for q in res]
+        assert [r["counts"][s][me] for s in range(world)] == r["recv"]
+    for s, r in enumerate(res):
+        # rank s's token t sent to rank d: read back on d at peer_table[t][d], by source s, as token t
+        for t, row in enumerate(r["peer_table"]):
+            for d, p in enumerate(row):
+                if p >= 0:
+                    assert res[d]["recv_rank"][p] == s and res[d]["src_token"][p] == t, (s, t, d, p)
+        for i, (d, p) in enumerate(zip(r["send_rank"], r["send_peer_row"])):
+            assert res[d]["recv_rank"][p] == s and res[d]["src_token"][p] == r["send_token"][i]
+    for r in res:
+        for p, (s, t) in enumerate(zip(r["recv_rank"], r["src_token"])):
+            assert t in res[s]["send_token"] and r["chunk"][p] == t * 3 // res[s]["n"]
+            lo, hi = chunk_bounds(res[s]["n"], 3)[r["chunk"][p]]
+            assert lo <= t < hi
+
+
 def case_timeout(ctx, seed):
     """Rank 0 dispatches on a group with a short timeout; rank 1 never joins: rank 0 gets an error
     (not a hang) within about the timeout."""
@@ -461,6 +501,30 @@ def test_errors_raise_value_error_on_every_rank(pool, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_block_and_point_to_point_sends_agree_with_all_to_all(pool, world):
     assert pool.run(case_block_sends, fresh_seed(), ranks=world) == [world] * world
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("scenario", ["random", "empty_rank"])
+def test_direct_plan_indexes_agree_across_ranks(pool, world, scenario):
+    check_direct_plan(pool.run(case_direct_plan, fresh_seed(), scenario, ranks=world))
+
+
+def test_chunk_bounds_match_the_receivers_chunk_of_a_token():
+    for t in range(0, 40):
+        for c in (1, 2, 3, 4, 7):
+            bounds = chunk_bounds(t, c)
+            assert len(bounds) == c and bounds[0][0] == 0 and bounds[-1][1] == t
+            for i, (lo, hi) in enumerate(bounds):
+                assert all(tok * c // t == i for tok in range(lo, hi))
+
+
+def test_symm_backend_needs_nccl(pool):
+    assert pool.run(case_symm_needs_nccl, ranks=2) == [None, None]
+
+
+def case_symm_needs_nccl(ctx):
+    _expect_value_error(lambda: Buffer(6, ctx.group, backend="symm"), "backend", "NCCL")
+    return None
 
 
 def test_missing_peer_times_out_with_an_error(pool):

@@ -235,3 +235,117 @@ def test_gather_rows_into_a_slice():
     dest = torch.zeros(7, 544, dtype=torch.uint8)
     gather_rows(rows, idx, out=dest[2:5])
     assert torch.equal(dest[2:5], rows[idx]) and not dest[:2].any() and not dest[5:].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton row kernels of the dispatch path, in Triton's CPU interpreter where Triton is installed
+# (the GPU runs are in test_ep_gpu.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def mxfp4_rows_with_specials(n: int, hidden: int, g: torch.Generator) -> torch.Tensor:
+    """uint8 MXFP4 byte rows [n, H/2 + H/32]: the spec's encoding of values spread over many
+    binades, plus rows of random codes with random scale bytes (0, 255 = NaN, wide spreads inside a
+    128-group so that elements fall into E4M3's subnormals and below), negative zeros, all-zero rows."""
+    spread = torch.exp(3 * torch.randn(n, hidden // 32, generator=g)).repeat_interleave(32, 1)
+    x = torch.randn(n, hidden, generator=g) * spread
+    rows = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    q = max(1, n // 4)
+    h2 = hidden // 2
+    rows[:q, :h2] = torch.randint(0, 256, (q, h2), generator=g, dtype=torch.uint8)
+    rows[:q, h2:] = torch.randint(0, 256, (q, hidden // 32), generator=g, dtype=torch.uint8)
+    rows[q:2 * q, h2:] = torch.randint(110, 140, (q, hidden // 32), generator=g, dtype=torch.uint8)
+    rows[q:2 * q, :h2] = torch.randint(0, 256, (q, h2), generator=g, dtype=torch.uint8)
+    if n > 2 * q + 2:
+        rows[2 * q, :h2] = 0x88  # negative zeros
+        rows[2 * q + 1] = 0
+        rows[2 * q + 2, h2] = 255  # one NaN block
+    return rows
+
+
+def spec_fp8_of_rows(rows: torch.Tensor, hidden: int, index: torch.Tensor):
+    data, scales, _ = formats.mxfp4_to_fp8_blockwise(*formats.unpack_mxfp4_rows(rows, hidden))
+    return data[index], scales[index]
+
+
+def _has_triton() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreted(check: str) -> None:
+    """Run ``check`` (a function of this module) in a fresh process under TRITON_INTERPRET=1: Triton
+    decides between compiling and interpreting when it is imported."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    if not _has_triton() or torch.cuda.is_available():
+        pytest.skip("needs Triton without a GPU (the interpreter); GPU runs are in test_ep_gpu.py")
+    here = pathlib.Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", f"import test_ep_local as t; t.{check}()"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_fused_gather_conversion_matches_spec_interpreted():
+    _interpreted("check_fused_gather_conversion")
+
+
+def test_copy_rows_and_peer_sums_interpreted():
+    _interpreted("check_copy_rows_and_peer_sums")
+
+
+def check_fused_gather_conversion():
+    from moe_fp4.ep import _triton_rows as tr
+
+    for hidden in (128, 384):
+        _check_fused_gather_conversion(tr, hidden)
+
+
+def _check_fused_gather_conversion(tr, hidden):
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    rows = mxfp4_rows_with_specials(24, hidden, g)
+    index = torch.randint(0, 24, (37,), generator=g)
+    data, scales = tr.mxfp4_rows_to_fp8_gather(rows, hidden, index)
+    want_d, want_s = spec_fp8_of_rows(rows, hidden, index)
+    assert_bitwise_equal(data, want_d, "fp8 data")
+    assert_bitwise_equal(scales, want_s, "fp32 scales")
+    # through the payload: gather_fp8_blockwise takes the fused kernel
+    got_d, got_s = get_payload("mxfp4").gather_fp8_blockwise(rows, hidden, index)
+    assert_bitwise_equal(got_d, want_d, "payload fp8 data")
+    for bad, what in (((rows[:, 1:], hidden, index), "rows"), ((rows, hidden, index.to(torch.int32)), "index")):
+        with pytest.raises(ValueError, match=what):
+            tr.mxfp4_rows_to_fp8_gather(*bad)
+
+
+def check_copy_rows_and_peer_sums():
+    """The kernels read rows through a table of buffer addresses (peers' buffers on GPUs; here two
+    local tensors)."""
+    from moe_fp4.ep import _triton_combine as tc
+    from moe_fp4.ep import _triton_rows as tr
+
+    tc._BF16_STORE_OK[torch.device("cpu")] = False  # the interpreter's bf16 store: let torch round
+    a = torch.randint(0, 256, (10, 96), dtype=torch.uint8)
+    b = torch.randint(0, 256, (7, 96), dtype=torch.uint8)
+    bases = torch.tensor([a.data_ptr(), b.data_ptr()], dtype=torch.int64)
+    idx, rank = torch.tensor([3, 0, 6, 9, 2]), torch.tensor([0, 1, 1, 0, 1])
+    want = torch.stack([(a, b)[r][i] for i, r in zip(idx.tolist(), rank.tolist())])
+    out = tr.copy_rows(torch.empty(5, 96, dtype=torch.uint8), idx, rank, bases)
+    assert torch.equal(out, want)
+    chunk = torch.tensor([0, 1, 0, 1, 1])
+    part = tr.copy_rows(torch.zeros(5, 96, dtype=torch.uint8), idx, rank, bases, chunk, 1)
+    assert torch.equal(part[chunk == 1], want[chunk == 1]) and not part[chunk == 0].any()
+    pa, pb = torch.randn(6, 48).to(torch.bfloat16), torch.randn(4, 48).to(torch.bfloat16)
+    table = torch.tensor([[0, 3], [-1, 1], [5, -1], [-1, -1]])
+    got = tc.gather_sum_peers(torch.tensor([pa.data_ptr(), pb.data_ptr()], dtype=torch.int64), table, 48)
+    want = torch.zeros(4, 48)
+    for t in range(4):
+        for r, src in enumerate((pa, pb)):
+            if table[t, r] >= 0:
+                want[t] = want[t] + src[table[t, r]].float()
+    assert_bitwise_equal(got, want.to(torch.bfloat16), "sums over peer buffers")

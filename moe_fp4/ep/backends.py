@@ -94,16 +94,22 @@ class TorchDistributedBackend(AllToAllBackend):
 
 def make_backend(group=None, backend=None) -> AllToAllBackend:
     """The backend for ``group``: an AllToAllBackend given as ``backend`` wins; the strings "nccl"/
-    "gloo" check the group's backend; None follows the group (a LocalBackend when torch.distributed
+    "gloo" check the group's backend; "symm" is the symmetric-memory backend over an NCCL group
+    (moe_fp4.ep.symmetric); None follows the group (a LocalBackend when torch.distributed
     is not initialised and no group is given)."""
     if isinstance(backend, AllToAllBackend):
         return backend
-    if backend not in (None, "nccl", "gloo", "local"):
-        raise ValueError(f"backend: expected None, 'nccl', 'gloo', 'local' or an AllToAllBackend, got {backend!r}")
+    if backend not in (None, "nccl", "gloo", "local", "symm"):
+        raise ValueError(f"backend: expected None, 'nccl', 'gloo', 'local', 'symm' or an AllToAllBackend, "
+                         f"got {backend!r}")
     if backend == "local" or (group is None and (dist is None or not dist.is_initialized())):
         if backend not in (None, "local"):
             raise ValueError(f"backend: {backend!r} needs an initialised torch.distributed process group")
         return LocalBackend()
+    if backend == "symm":
+        from moe_fp4.ep.symmetric import SymmetricMemoryBackend
+
+        return SymmetricMemoryBackend(group)
     b = TorchDistributedBackend(group)
     if backend is not None and b.name != backend:
         raise ValueError(f"backend: asked for {backend!r} but the process group uses {b.name!r}")

@@ -24,11 +24,11 @@ weighted the expert outputs). Its arithmetic, which the tests reproduce bit for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from moe_fp4.ep import _triton_combine
+from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
 from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order
 from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, gather_rows, get_payload
@@ -44,6 +44,9 @@ class DispatchHandle:
 
     send_counts / recv_counts: rows sent to / received from each rank (host ints);
     send_token: int64 [n_send], the token of each sent row (grouped by destination rank);
+    recv_src_token: int64 [n_recv], the index of each received token in its source's batch;
+    peer_num_tokens: host ints [W], every rank's batch size; count_matrix: host ints [W][W], tokens
+    rank s sends to rank d (the direct backend reads peers' buffers at offsets derived from them);
     recv_topk_idx: int64 [n_recv, k], local expert ids of each received token, -1 elsewhere;
     recv_topk_weights: float32 [n_recv, k] or None;
     expand_row / expand_slot: int64 [N], the received token and slot of each output row;
@@ -75,6 +78,10 @@ class DispatchHandle:
     slot_weights: torch.Tensor | None
     slot_table: torch.Tensor  # int64 [n_recv, k]: the output row of (received token, slot), -1 if none
     rank_table: torch.Tensor  # int64 [T, W]: the sent row of (token, rank), -1 if not sent there
+    recv_src_token: torch.Tensor | None = None  # int64 [n_recv]: each received token's index at its source
+    peer_num_tokens: list[int] = field(default_factory=list)  # host ints [W]: tokens of each rank's batch
+    count_matrix: list[list[int]] = field(default_factory=list)  # host ints [W][W]: tokens rank s sends to d
+    direct_cache: dict = field(default_factory=dict, repr=False)  # index tensors of the direct backend
 
     @property
     def num_recv_tokens(self) -> int:
@@ -184,7 +191,9 @@ class Buffer:
       torch.distributed is not initialised);
     payload: the default dispatch payload ("bf16", "fp8", "mxfp4", "nvfp4" or a PayloadCodec);
     backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
-      (checked against the group), or an AllToAllBackend;
+      (checked against the group), "symm" (an NCCL group whose GPUs share NVLink: payload rows and
+      combine partials move by direct reads of peers' symmetric-memory buffers, see
+      moe_fp4.ep.symmetric), or an AllToAllBackend;
     point_to_point: send the payload rows as per-peer sends and copy this rank's own rows directly
       (default False: one all_to_all_single)."""
 
@@ -279,6 +288,11 @@ class Buffer:
         else:
             handle = self._exchange_layout(x, topk_idx, topk_weights, codec)
         hidden = x.shape[1]
+        if self._direct(x):
+            out = DispatchOutput(symmetric.dispatch_rows(self.backend, x, codec, handle), codec, hidden, handle)
+            if return_fp8:
+                out.to_fp8_blockwise()
+            return out
         rows = codec.encode(x)
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
         full = [n == handle.num_tokens for n in handle.send_counts]
@@ -299,6 +313,10 @@ class Buffer:
         if return_fp8:
             out.to_fp8_blockwise()
         return out
+
+    def _direct(self, t: torch.Tensor) -> bool:
+        """Whether the payload moves through the direct (symmetric memory) path."""
+        return getattr(self.backend, "direct", False) and self.backend.usable(t)
 
     def _exchange_rows(self, rows: torch.Tensor, recv_rows: torch.Tensor, handle: DispatchHandle) -> None:
         """The payload exchange as point-to-point sends to the other ranks, while this rank's own
@@ -333,12 +351,14 @@ class Buffer:
             local_error = e
         dev = self.device
         # One fixed-width row per destination rank: [tokens, L expert counts, signature, invalid ids,
-        # error flag, MAX_TOPK slot counts]. Fixed width so that ranks that disagree (on k, say) still
-        # exchange cleanly and all raise the same ValueError.
+        # error flag, MAX_TOPK slot counts, batch size, tokens sent to each of the W ranks]. Fixed
+        # width so that ranks that disagree (on k, say) still exchange cleanly and all raise the same
+        # ValueError.
         sig_at = 1 + ell
         inv_at = sig_at + len(_SIGNATURE)
         err_at, slot_at = inv_at + 1, inv_at + 2
-        info = torch.zeros(w, slot_at + MAX_TOPK, dtype=torch.int64, device=dev)
+        size_at = slot_at + MAX_TOPK
+        info = torch.zeros(w, size_at + 1 + w, dtype=torch.int64, device=dev)
         if local_error is None:
             k = topk_idx.shape[1]
             layout = dispatch_layout(topk_idx, n_exp, w)
@@ -348,6 +368,8 @@ class Buffer:
                 info[:, sig_at + i] = v  # a fill, not a host-to-device copy (which would sync)
             info[:, inv_at] = layout.invalid
             info[:, slot_at:slot_at + k] = layout.num_slots_per_rank
+            info[:, size_at] = x.shape[0]
+            info[:, size_at + 1:] = layout.num_tokens_per_rank.unsqueeze(0)
         else:
             info[:, err_at] = 1
         recv_info = torch.empty_like(info)
@@ -377,8 +399,12 @@ class Buffer:
         tokens_per_expert = [sum(p[1 + e] for p in peers) for e in range(ell)]
         slot_counts = [sum(p[slot_at + j] for p in peers) for j in range(k)]
         split_lens = recv_info[:, 1:sig_at].sum(0)
-        return self._build_handle(x, topk_idx, topk_weights, layout, send_counts, recv_counts,
-                                  tokens_per_expert, slot_counts, split_lens)
+        peer_num_tokens = [p[size_at] for p in peers]
+        count_matrix = [p[size_at + 1:size_at + 1 + w] for p in peers]
+        handle = self._build_handle(x, topk_idx, topk_weights, layout, send_counts, recv_counts,
+                                    tokens_per_expert, slot_counts, split_lens)
+        handle.peer_num_tokens, handle.count_matrix = peer_num_tokens, count_matrix
+        return handle
 
     def _build_handle(self, x, topk_idx, topk_weights, layout, send_counts, recv_counts, tokens_per_expert,
                       slot_counts, split_lens) -> DispatchHandle:
@@ -394,11 +420,13 @@ class Buffer:
             weights = topk_weights.to(torch.float32).index_select(0, send_token)
         else:
             weights = torch.zeros(n_send, k, dtype=torch.float32, device=dev)
-        meta = torch.cat((local_ids.to(torch.int32).view(torch.uint8), weights.contiguous().view(torch.uint8)), 1)
+        meta = torch.cat((local_ids.to(torch.int32).view(torch.uint8), weights.contiguous().view(torch.uint8),
+                          send_token.to(torch.int32).unsqueeze(1).view(torch.uint8)), 1)
         recv_meta = torch.empty(n_recv, meta.shape[1], dtype=torch.uint8, device=dev)
         self.backend.all_to_all(recv_meta, meta, recv_counts, send_counts)
         recv_ids = recv_meta[:, :4 * k].contiguous().view(torch.int32).to(torch.int64)
-        recv_w = recv_meta[:, 4 * k:].contiguous().view(torch.float32) if topk_weights is not None else None
+        recv_w = recv_meta[:, 4 * k:8 * k].contiguous().view(torch.float32) if topk_weights is not None else None
+        recv_src_token = recv_meta[:, 8 * k:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
 
         # expansion: one output row per (received token, local slot), grouped by local expert
         valid = recv_ids >= 0
@@ -425,6 +453,7 @@ class Buffer:
             slot_row=slot_order // k, slot_out=pos[slot_order],
             slot_weights=recv_w.reshape(-1)[slot_order] if recv_w is not None else None,
             slot_table=slot_table, rank_table=rank_table[:t * self.world_size].reshape(t, self.world_size),
+            recv_src_token=recv_src_token,
         )
 
     # -------------------------------------------------------------------------------------------
@@ -449,6 +478,9 @@ class Buffer:
             raise ValueError(f"y: expected {handle.num_rows} rows (the dispatch output's), got {y.shape[0]}")
         if weighted and handle.slot_weights is None:
             raise ValueError("weighted: the dispatch had no topk_weights; pass weighted=False or dispatch weights")
+        if self._direct(y):
+            return symmetric.combine_sums(self.backend, y, handle, handle.recv_topk_weights if weighted else None,
+                                          codec)
         fused = _triton_combine.available(y)
         bf16_wire = codec.name == "bf16"
         if fused:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats, ops
+from moe_fp4.ep import _triton_rows
 
 FP8_GROUP = formats.FP8_GROUP
 
@@ -80,6 +81,7 @@ class PayloadCodec:
 
     name = "codec"
     hidden_multiple = 32
+    rowwise = True  # each row depends on its own token only (so a batch may be encoded in slices)
 
     def check_hidden(self, hidden: int, name: str = "x") -> None:
         if hidden <= 0 or hidden % self.hidden_multiple:
@@ -91,6 +93,13 @@ class PayloadCodec:
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def encode_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """encode(x) written into out (uint8 [T, row_bytes(H)], contiguous rows, e.g. a staging buffer)."""
+        if out.shape != (x.shape[0], self.row_bytes(x.shape[1])):
+            raise ValueError(f"out: expected shape {(x.shape[0], self.row_bytes(x.shape[1]))}, got {tuple(out.shape)}")
+        out.copy_(self.encode(x))
+        return out
 
     def decode(self, rows: torch.Tensor, hidden: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         _check_rows(rows, self.row_bytes(hidden), hidden)
@@ -150,6 +159,13 @@ class BF16Payload(PayloadCodec):
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self._check_x(x)
         return _bytes_of(x.to(torch.bfloat16))
+
+    def encode_into(self, x, out):
+        self._check_x(x)
+        if out.shape != (x.shape[0], 2 * x.shape[1]) or out.dtype != torch.uint8:
+            raise ValueError(f"out: expected uint8 {(x.shape[0], 2 * x.shape[1])}, got {out.dtype} {tuple(out.shape)}")
+        out.view(torch.bfloat16).copy_(x)
+        return out
 
     def _decode(self, rows, hidden, dtype):
         return rows.contiguous().view(torch.bfloat16).to(dtype)
@@ -220,6 +236,15 @@ class MXFP4Payload(PayloadCodec):
             return self.empty_rows(x.shape[1], x.device)
         return ops.quantize_mxfp4_rows(x, scale_rounding=self.scale_rounding)
 
+    def encode_into(self, x, out):
+        self._check_x(x)
+        if out.shape != (x.shape[0], self.row_bytes(x.shape[1])) or out.dtype != torch.uint8:
+            raise ValueError(f"out: expected uint8 {(x.shape[0], self.row_bytes(x.shape[1]))}, got {out.dtype} "
+                             f"{tuple(out.shape)}")
+        if x.shape[0]:
+            ops.quantize_mxfp4_rows(x, scale_rounding=self.scale_rounding, out=out)  # straight into out
+        return out
+
     def _decode(self, rows, hidden, dtype):
         packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
         return formats.dequantize_mxfp4(packed, scales, dtype=dtype)
@@ -233,6 +258,14 @@ class MXFP4Payload(PayloadCodec):
         data, fp32_scales, _underflow = ops.mxfp4_rows_to_fp8_blockwise(rows, hidden)
         return data, fp32_scales
 
+    def gather_fp8_blockwise(self, rows, hidden, index):
+        """One pass on CUDA (Triton): each output row converted straight from its received row, no
+        per-token FP8 copy to gather from (bit-exact with the spec; see _triton_rows)."""
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        if _triton_rows.available(rows) and hidden % FP8_GROUP == 0 and rows.stride(-1) == 1:
+            return _triton_rows.mxfp4_rows_to_fp8_gather(rows, hidden, index)
+        return super().gather_fp8_blockwise(rows, hidden, index)
+
 
 class NVFP4Payload(PayloadCodec):
     """NVFP4 rows: packed E2M1 (H/2), E4M3 block scales per 16 (H/16), the sender's FP32 tensor
@@ -240,6 +273,7 @@ class NVFP4Payload(PayloadCodec):
     ``quantize_nvfp4(x)``; decoding groups rows by their tensor scale (one host sync)."""
 
     name = "nvfp4"
+    rowwise = False  # the tensor scale comes from the whole batch
 
     def row_bytes(self, hidden: int) -> int:
         self.check_hidden(hidden, "hidden")

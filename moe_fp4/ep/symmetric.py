@@ -1,0 +1,221 @@
+"""Direct NVLink exchange through torch symmetric memory (``torch.distributed._symmetric_memory``).
+
+``SymmetricMemoryBackend`` keeps NCCL for the small exchanges (counts, metadata) and moves the
+payload rows by having each GPU READ its peers' staging buffers over NVLink:
+
+  dispatch  every rank encodes its tokens into its own staging buffer, in token order (the MXFP4
+            encoder writes the byte rows there directly: no per-destination packing copy); after a
+            barrier each receiver copies the rows it needs, from every source's buffer, into its
+            receive rows (one Triton copy kernel for all sources). The tokens are encoded in
+            ``chunks`` slices (row-wise codecs): slice c is copied on a side stream, after a barrier
+            of its own, while slice c + 1 is being encoded, so encode and transfer overlap.
+  combine   every expert rank writes its per-token partial sums into its staging buffer; after a
+            barrier each token's rank sums its partials straight out of the peers' buffers (one
+            Triton kernel: no receive buffer, no all-to-all).
+Each operation starts with a barrier, so no rank overwrites its staging buffer while a peer still
+reads it. Results are bit for bit those of the NCCL path (tests/test_ep_gpu.py checks it).
+
+Multicast is never used (no multimem operations; set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on
+machines where it must stay off). The staging buffer grows on demand; the size is computed from
+counts every rank knows (the dispatch handle), so every rank allocates the same size at the same
+call, as the collective allocation requires. Buffers replaced by a larger one stay allocated until
+the backend is dropped (a peer may still be reading them).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from moe_fp4.ep import _triton_combine, _triton_rows
+from moe_fp4.ep.backends import TorchDistributedBackend, dist
+
+_MIB = 1 << 20
+
+
+class SymmetricMemoryBackend(TorchDistributedBackend):
+    """Payload rows and combine partials by direct reads of peers' symmetric-memory buffers.
+
+    group: an NCCL process group (None: the default group) whose ranks share NVLink (one host);
+    chunks: slices of the dispatch encode pipelined with the transfer (1: no pipelining);
+    timeout_ms: how long a device barrier waits for a peer before the kernel traps."""
+
+    direct = True
+
+    def __init__(self, group=None, *, chunks: int = 4, timeout_ms: int = 120_000):
+        super().__init__(group)
+        if self.name != "nccl":
+            raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
+                             f"{self.name!r}")
+        if not isinstance(chunks, int) or not 1 <= chunks <= 16:
+            raise ValueError(f"chunks: expected an int in [1, 16], got {chunks!r}")
+        from torch.distributed import _symmetric_memory as symm_mem
+
+        self._symm = symm_mem
+        self.name = "symm"
+        self.chunks = chunks
+        self.timeout_ms = timeout_ms
+        self.capacity = 0
+        self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
+        self._buffer = None
+        self._handle = None
+        self.bases = None  # int64 [W]: each rank's staging buffer address, as seen from this GPU
+        self.side_stream = torch.cuda.Stream(self.device)
+
+    def usable(self, t: torch.Tensor) -> bool:
+        """The direct path needs the Triton kernels (else the NCCL collectives are used)."""
+        return _triton_rows.available(t) and _triton_combine.available(t)
+
+    def _group_name(self):
+        g = self.group if self.group is not None else dist.group.WORLD
+        return g
+
+    def ensure_capacity(self, nbytes: int) -> None:
+        """Collective: every rank must call it with the same ``nbytes`` (computed from shared counts)."""
+        if nbytes <= self.capacity:
+            return
+        size = max(nbytes, 2 * self.capacity, _MIB)
+        size = -(-size // _MIB) * _MIB
+        g = self._group_name()
+        enable = getattr(self._symm, "enable_symm_mem_for_group", None)
+        if enable is not None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    enable(g.group_name)
+                except Exception:  # newer torch: not needed
+                    pass
+        buf = self._symm.empty(size, dtype=torch.uint8, device=self.device)
+        handle = self._symm.rendezvous(buf, g)
+        self._keep.append((buf, handle))
+        self._buffer, self._handle = buf, handle
+        self.bases = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=self.device)
+        self.capacity = size
+
+    def staging(self, rows: int, width: int) -> torch.Tensor:
+        """uint8 [rows, width]: the start of this rank's staging buffer (rows back to back)."""
+        if rows * width > self.capacity:
+            raise ValueError(f"rows: {rows} rows of {width} bytes exceed the staging buffer ({self.capacity} bytes)")
+        return self._buffer[: rows * width].view(rows, width)
+
+    def barrier(self, channel: int) -> None:
+        """Device-side barrier of the group on the current stream (no host synchronisation)."""
+        try:
+            self._handle.barrier(channel=channel, timeout_ms=self.timeout_ms)
+        except TypeError:  # an older signature without timeout
+            self._handle.barrier(channel=channel)
+
+
+def _fill(values: list[int], device) -> torch.Tensor:
+    """int64 [len(values)] on ``device`` from host ints through fills (no host-to-device copy, which
+    would synchronise)."""
+    out = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, v in enumerate(values):
+        out[i].fill_(v)
+    return out
+
+
+def _offsets(counts: list[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def direct_plan(handle, chunks: int) -> dict:
+    """Index tensors of the direct path for ``handle`` (cached on it): where each received row lives
+    in its source's staging buffer, and where each of this rank's combine partials lives in the
+    token rank's view (all int64, on the handle's device; built without host synchronisation)."""
+    cache = handle.direct_cache
+    if chunks in cache:
+        return cache[chunks]
+    dev = handle.send_token.device
+    w, me = handle.world_size, handle.rank
+    cm = handle.count_matrix  # cm[s][d]: tokens rank s sends to rank d
+    recv_off = _offsets(handle.recv_counts)
+    send_off = _offsets(handle.send_counts)
+    n_recv, n_send = sum(handle.recv_counts), sum(handle.send_counts)
+    recv_rank = torch.empty(n_recv, dtype=torch.int64, device=dev)
+    src_tokens = torch.empty(n_recv, dtype=torch.int64, device=dev)
+    for s in range(w):
+        if handle.recv_counts[s]:
+            recv_rank[recv_off[s]:recv_off[s] + handle.recv_counts[s]].fill_(s)
+            src_tokens[recv_off[s]:recv_off[s] + handle.recv_counts[s]].fill_(max(handle.peer_num_tokens[s], 1))
+    # chunk of a received row: its token's slice at the source, tokens [ceil(cT/C), ceil((c+1)T/C))
+    recv_chunk = handle.recv_src_token * chunks // src_tokens
+    # my row j of the block for rank r is row (rows rank r receives from ranks < me) + j of r's view
+    delta = _fill([sum(cm[s][r] for s in range(me)) - send_off[r] for r in range(w)], dev)
+    table = handle.rank_table
+    peer_rank_table = torch.where(table >= 0, table + delta.unsqueeze(0), table)
+    send_rank = torch.empty(n_send, dtype=torch.int64, device=dev)
+    for r in range(w):
+        if handle.send_counts[r]:
+            send_rank[send_off[r]:send_off[r] + handle.send_counts[r]].fill_(r)
+    plan = dict(recv_rank=recv_rank, recv_chunk=recv_chunk, peer_rank_table=peer_rank_table,
+                send_rank=send_rank, send_peer_row=torch.arange(n_send, device=dev) + delta[send_rank])
+    cache[chunks] = plan
+    return plan
+
+
+def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
+    """Token slices [ceil(c T / C), ceil((c + 1) T / C)) for c < C: token t is in slice t * C // T."""
+    cut = [-(-c * num_tokens // chunks) for c in range(chunks + 1)]
+    return list(zip(cut[:-1], cut[1:]))
+
+
+def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
+    """The payload exchange of a dispatch: x [T, H] -> received rows uint8 [n_recv, row_bytes],
+    grouped by source rank, the same bytes as the all-to-all path."""
+    width = codec.row_bytes(x.shape[1])
+    chunks = backend.chunks if codec.rowwise else 1
+    plan = direct_plan(handle, chunks)
+    backend.ensure_capacity(max(handle.peer_num_tokens) * width)
+    recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
+    main = torch.cuda.current_stream(backend.device)
+    side = backend.side_stream
+    backend.barrier(0)  # every peer has finished reading the staging buffer
+    staging = backend.staging(x.shape[0], width)
+    side.wait_stream(main)
+    for c, (lo, hi) in enumerate(chunk_bounds(x.shape[0], chunks)):
+        if hi > lo:
+            codec.encode_into(x[lo:hi], staging[lo:hi])
+        ready = torch.cuda.Event()
+        ready.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            backend.barrier(1 + c)  # slice c is encoded on every rank
+            _triton_rows.copy_rows(recv, handle.recv_src_token, plan["recv_rank"], backend.bases,
+                                   plan["recv_chunk"] if chunks > 1 else None, c)
+    main.wait_stream(side)
+    return recv
+
+
+def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weights, codec) -> torch.Tensor:
+    """Combine over the staging buffers: y [N, H'] expert outputs -> bfloat16 [T, H'] (the same
+    arithmetic and bits as Buffer.combine's all-to-all path)."""
+    hidden = y.shape[1]
+    plan = direct_plan(handle, backend.chunks)
+    n_recv_per_rank = [sum(handle.count_matrix[s][r] for s in range(handle.world_size))
+                       for r in range(handle.world_size)]
+    bf16_wire = codec.name == "bf16"
+    width = 2 * hidden if bf16_wire else codec.row_bytes(hidden)
+    backend.ensure_capacity(max(n_recv_per_rank) * width)
+    backend.barrier(0)
+    staging = backend.staging(handle.num_recv_tokens, width)
+    if bf16_wire:
+        _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16,
+                                   out=staging.view(torch.bfloat16))
+        backend.barrier(1)
+        return _triton_combine.gather_sum_peers(backend.bases, plan["peer_rank_table"], hidden)
+    partial = _triton_combine.gather_sum(y, handle.slot_table, weights, torch.float32)
+    codec.encode_into(partial, staging)
+    backend.barrier(1)
+    back = torch.empty(sum(handle.send_counts), width, dtype=torch.uint8, device=backend.device)
+    _triton_rows.copy_rows(back, plan["send_peer_row"], plan["send_rank"], backend.bases)
+    values = codec.decode(back, hidden)
+    return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
+
+
+__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows"]
