@@ -1,6 +1,8 @@
 """Expert-parallel dispatch/combine over NCCL on 2 GPUs: the checks of test_ep_dist.py, plus
 DeepSeek-V3-sized rows against the spec and the host-synchronisation budget (one per full dispatch,
-none in a cached dispatch or a combine)."""
+none in a cached dispatch or a combine); the symmetric-memory backend against the NCCL path, bit for
+bit (rows, FP8 operands, combine over every wire format); the Triton fused MXFP4 -> FP8 gather
+against the spec."""
 
 from __future__ import annotations
 
@@ -12,13 +14,16 @@ import torch
 from _compare import assert_bitwise_equal
 from test_ep_dist import (
     SCENARIOS,
+    _to,
     case_autograd,
     case_errors,
     case_payload_rows,
     case_roundtrip_bf16,
     expected_order,
+    make_world,
     spec_rows,
 )
+from test_ep_local import mxfp4_rows_with_specials, spec_fp8_of_rows
 
 from moe_fp4.ep import Buffer
 
@@ -90,6 +95,122 @@ def case_sync_budget(ctx, seed):
         torch.cuda.set_sync_debug_mode("default")
     assert_bitwise_equal(again.rows, out.rows, "cached dispatch")
     return len(syncs), tuple(combined.shape)
+
+
+def _symm_buffer(ctx, n_exp, payload, chunks):
+    from moe_fp4.ep.symmetric import SymmetricMemoryBackend
+
+    return Buffer(n_exp, ctx.group, payload=payload, backend=SymmetricMemoryBackend(ctx.group, chunks=chunks))
+
+
+def _same_outputs(got, ref, what):
+    assert_bitwise_equal(got.recv_rows, ref.recv_rows, f"{what}: received rows")
+    assert_bitwise_equal(got.rows, ref.rows, f"{what}: expert rows")
+    assert_bitwise_equal(got.fp8[0], ref.fp8[0], f"{what}: fp8 data")
+    assert_bitwise_equal(got.fp8[1], ref.fp8[1], f"{what}: fp8 scales")
+
+
+def case_symm_matches_nccl(ctx, seed, payload, chunks, scenario):
+    """Dispatch (full and cached) and combine (every wire, weighted or not) over symmetric memory
+    give the NCCL path's bits."""
+    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
+    x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
+    nccl = Buffer(n_exp, ctx.group, payload=payload)
+    symm = _symm_buffer(ctx, n_exp, payload, chunks)
+    assert symm.backend.name == "symm" and symm._direct(x)
+    ref = nccl.dispatch(x, idx, w, return_fp8=True)
+    got = symm.dispatch(x, idx, w, return_fp8=True)
+    _same_outputs(got, ref, f"{payload} full dispatch")
+    for _ in range(2):  # cached dispatches reuse the staging buffer behind the barriers
+        _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"{payload} cached dispatch")
+    g = torch.Generator().manual_seed(seed + 1)
+    y = torch.randn(ref.handle.num_rows, x.shape[1], generator=g).to(ctx.device, torch.bfloat16)
+    for wire in ("bf16", "fp8", "mxfp4"):
+        for weighted in (True, False):
+            want = nccl.combine(y, ref.handle, payload=wire, weighted=weighted)
+            have = symm.combine(y, got.handle, payload=wire, weighted=weighted)
+            assert_bitwise_equal(have, want, f"combine over {wire}, weighted={weighted}")
+    return got.handle.num_rows
+
+
+def case_symm_large(ctx, seed, chunks):
+    """DeepSeek-V3 rows (hidden 7168, top-8 of 32 experts) over symmetric memory: equal to NCCL's,
+    and the fused FP8 expert rows equal to the spec's conversion of the gathered rows."""
+    g = torch.Generator().manual_seed(seed)
+    n_exp, k, dev, tokens, hidden = 32, 8, ctx.device, 300 + 17 * ctx.rank, 7168
+    x = torch.randn(tokens, hidden, generator=g).to(dev, torch.bfloat16)
+    idx = torch.argsort(torch.rand(tokens, n_exp, generator=g), 1)[:, :k].to(dev)
+    w = torch.rand(tokens, k, generator=g).to(dev)
+    ref = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w, return_fp8=True)
+    symm = _symm_buffer(ctx, n_exp, "mxfp4", chunks)
+    got = symm.dispatch(x, idx, w, return_fp8=True)
+    _same_outputs(got, ref, "mxfp4 hidden 7168")
+    want_d, want_s = spec_fp8_of_rows(got.recv_rows, hidden, got.handle.expand_row)
+    assert_bitwise_equal(got.fp8[0], want_d, "fused fp8 data vs spec")
+    assert_bitwise_equal(got.fp8[1], want_s, "fused fp8 scales vs spec")
+    y = torch.randn(got.handle.num_rows, hidden, generator=g).to(dev, torch.bfloat16)
+    want = Buffer(n_exp, ctx.group).combine(y, ref.handle)
+    assert_bitwise_equal(symm.combine(y, got.handle), want, "combine hidden 7168")
+    return got.handle.num_rows
+
+
+def case_symm_sync_budget(ctx, seed):
+    """No host synchronisation in a cached dispatch or a combine over symmetric memory."""
+    g = torch.Generator().manual_seed(seed)
+    dev = ctx.device
+    x = torch.randn(64, 256, generator=g).to(dev, torch.bfloat16)
+    idx = torch.argsort(torch.rand(64, 8, generator=g), 1)[:, :3].to(dev)
+    w = torch.rand(64, 3, generator=g).to(dev)
+    buf = _symm_buffer(ctx, 8, "mxfp4", 4)
+    out = buf.dispatch(x, idx, w, return_fp8=True)  # warm up: staging allocation, kernels, index plan
+    y = out.values()
+    buf.combine(y, out.handle)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = buf.dispatch(x, handle=out.handle, return_fp8=True)
+        combined = buf.combine(y, out.handle)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_bitwise_equal(again.rows, out.rows, "cached dispatch")
+    return tuple(combined.shape)
+
+
+@pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_symm_matches_nccl(pool, payload, chunks):
+    pool.run(case_symm_matches_nccl, fresh_seed(), payload, chunks, "random")
+
+
+@pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
+def test_symm_matches_nccl_ragged(pool, scenario):
+    pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", 3, scenario)
+
+
+def test_symm_deepseek_rows(pool):
+    pool.run(case_symm_large, fresh_seed(), 4)
+
+
+def test_symm_sync_budget(pool):
+    pool.run(case_symm_sync_budget, fresh_seed())
+
+
+@pytest.mark.parametrize("hidden", [7168, 128, 2048])
+def test_fused_gather_conversion_matches_spec_gpu(hidden):
+    from moe_fp4.ep import _triton_rows
+
+    g = torch.Generator().manual_seed(fresh_seed())
+    rows = mxfp4_rows_with_specials(257, hidden, g).cuda()
+    index = torch.randint(0, 257, (1000,), generator=g).cuda()
+    data, scales = _triton_rows.mxfp4_rows_to_fp8_gather(rows, hidden, index)
+    want_d, want_s = spec_fp8_of_rows(rows, hidden, index)
+    assert_bitwise_equal(data, want_d, f"fp8 data, hidden {hidden}")
+    assert_bitwise_equal(scales, want_s, f"fp32 scales, hidden {hidden}")
+    # a strided view of wider rows (the row stride is a kernel argument)
+    wide = torch.zeros(257, rows.shape[1] + 64, dtype=torch.uint8, device="cuda")
+    wide[:, :rows.shape[1]] = rows
+    d2, _ = _triton_rows.mxfp4_rows_to_fp8_gather(wide[:, :rows.shape[1]], hidden, index)
+    assert_bitwise_equal(d2, want_d, "fp8 data from strided rows")
 
 
 def test_backend_is_nccl(pool):

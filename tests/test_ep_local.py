@@ -340,6 +340,10 @@ def check_copy_rows_and_peer_sums():
     chunk = torch.tensor([0, 1, 0, 1, 1])
     part = tr.copy_rows(torch.zeros(5, 96, dtype=torch.uint8), idx, rank, bases, chunk, 1)
     assert torch.equal(part[chunk == 1], want[chunk == 1]) and not part[chunk == 0].any()
+    odd = tr.copy_rows(torch.empty(5, 17, dtype=torch.uint8), idx, rank,
+                       torch.tensor([a.data_ptr(), b.data_ptr()], dtype=torch.int64))
+    assert torch.equal(odd, torch.stack([(a, b)[r].reshape(-1)[i * 17:(i + 1) * 17]
+                                         for i, r in zip(idx.tolist(), rank.tolist())]))
     pa, pb = torch.randn(6, 48).to(torch.bfloat16), torch.randn(4, 48).to(torch.bfloat16)
     table = torch.tensor([[0, 3], [-1, 1], [5, -1], [-1, -1]])
     got = tc.gather_sum_peers(torch.tensor([pa.data_ptr(), pb.data_ptr()], dtype=torch.int64), table, 48)
@@ -349,3 +353,59 @@ def check_copy_rows_and_peer_sums():
             if table[t, r] >= 0:
                 want[t] = want[t] + src[table[t, r]].float()
     assert_bitwise_equal(got, want.to(torch.bfloat16), "sums over peer buffers")
+
+
+class _OneRankDirect(LocalBackend):
+    """The direct (symmetric-memory) path in a world of one on CPU: the staging buffer is a plain
+    tensor, barriers are recorded (the GPU backend is moe_fp4.ep.symmetric.SymmetricMemoryBackend)."""
+
+    direct = True
+    side_stream = None
+
+    def __init__(self, chunks):
+        super().__init__("cpu")
+        self.chunks, self.capacity, self.barriers, self._keep = chunks, 0, [], []
+
+    def usable(self, t):
+        return True
+
+    def ensure_capacity(self, nbytes):
+        if nbytes > self.capacity:
+            self._keep.append(torch.zeros(max(nbytes, 1), dtype=torch.uint8))
+            self.bases = torch.tensor([self._keep[-1].data_ptr()], dtype=torch.int64)
+            self.capacity = nbytes
+
+    def staging(self, rows, width):
+        return self._keep[-1][: rows * width].view(rows, width)
+
+    def barrier(self, channel):
+        self.barriers.append(channel)
+
+
+def check_direct_path_in_a_world_of_one():
+    """dispatch_rows / combine_sums (chunked encode into staging, row copies, sums over buffers)
+    give the all-to-all path's bits."""
+    from moe_fp4.ep import _triton_combine
+
+    _triton_combine._BF16_STORE_OK[torch.device("cpu")] = False
+    for payload, chunks in (("mxfp4", 3), ("bf16", 2), ("fp8", 1), ("nvfp4", 4)):
+        x = torch.randn(29, 256) * 3
+        idx = random_routing(29, 3, 4)
+        w = torch.rand(29, 3)
+        ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
+        backend = _OneRankDirect(chunks)
+        buf = Buffer(4, payload=payload, backend=backend)
+        got = buf.dispatch(x, idx, w, return_fp8=True)
+        assert_bitwise_equal(got.recv_rows, ref.recv_rows, f"{payload} received rows")
+        assert_bitwise_equal(got.fp8[0], ref.fp8[0], f"{payload} fp8")
+        assert_bitwise_equal(got.fp8[1], ref.fp8[1], f"{payload} fp8 scales")
+        want_chunks = chunks if payload != "nvfp4" else 1
+        assert backend.barriers == [0] + list(range(1, want_chunks + 1)), backend.barriers
+        y = (ref.values() * 2).to(torch.bfloat16)
+        for wire in ("bf16", "fp8", "mxfp4"):
+            want = Buffer(4).combine(y, ref.handle, payload=wire)
+            assert_bitwise_equal(buf.combine(y, got.handle, payload=wire), want, f"combine over {wire}")
+
+
+def test_direct_path_in_a_world_of_one_interpreted():
+    _interpreted("check_direct_path_in_a_world_of_one")

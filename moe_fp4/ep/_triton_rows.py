@@ -103,7 +103,7 @@ if triton is not None:
                 return
         r = tl.load(rank_ptr + i)
         src_row = tl.load(index_ptr + i)
-        base = tl.load(bases_ptr + r).to(tl.pointer_type(tl.int32))
+        base = tl.load(bases_ptr + r).to(out_ptr.dtype)  # the source buffer, read as out's words
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < words
         v = tl.load(base + src_row * words + cols, mask=mask)
@@ -137,19 +137,21 @@ def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tenso
 
 def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, bases: torch.Tensor,
               row_chunk: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
-    """out uint8 [N, B] (B a multiple of 4, contiguous) <- row index[i] (int64 [N]) of the buffer
-    of rank src_rank[i] (int64 [N]); bases int64 [W]: each rank's buffer address (rows of B bytes
-    back to back); row_chunk int64 [N] or None: copy only the rows whose chunk equals ``chunk``."""
+    """out uint8 [N, B] (contiguous) <- row index[i] (int64 [N]) of the buffer of rank src_rank[i]
+    (int64 [N]); bases int64 [W]: each rank's buffer address (rows of B bytes back to back);
+    row_chunk int64 [N] or None: copy only the rows whose chunk equals ``chunk``. Rows move as 4-byte
+    words when B allows it, else as bytes."""
     n, width = out.shape
-    if width % 4 or not out.is_contiguous():
-        raise ValueError(f"out: expected contiguous rows of a multiple of 4 bytes, got {tuple(out.shape)}")
+    if out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"out: expected contiguous uint8 rows, got {out.dtype} {tuple(out.shape)}")
     if n == 0 or width == 0:
         return out
-    words = width // 4
+    word = torch.int32 if width % 4 == 0 else torch.uint8
+    words = width // word.itemsize
     block = min(1024, triton.next_power_of_2(words))
     grid = (n, triton.cdiv(words, block))
     chunks = row_chunk if row_chunk is not None else index
-    _copy_rows_kernel[grid](out.view(torch.int32), index, src_rank, bases, chunks, chunk, words, BLOCK=block,
+    _copy_rows_kernel[grid](out.view(word), index, src_rank, bases, chunks, chunk, words, BLOCK=block,
                             CHUNKED=row_chunk is not None, num_warps=4)
     return out
 

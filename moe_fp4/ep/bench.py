@@ -1,10 +1,11 @@
 """`python -m moe_fp4 bench dispatch`: dispatch/combine time and wire bytes per payload format.
 
-Per token count and payload format, on every rank of a process group (NCCL on GPUs, gloo on CPU):
+Per token count, payload format and backend, on every rank of a process group (NCCL on GPUs, gloo on
+CPU; on GPUs also "symm", the symmetric-memory backend of moe_fp4.ep.symmetric):
   wire MB      payload bytes this rank sends in one dispatch (rows x row bytes; the small metadata
                exchange of a full dispatch is not counted)
-  a2a us       the raw all_to_all_single of the same uint8 buffers with the same split sizes: the
-               measured ceiling for those bytes
+  a2a us       the raw NCCL (gloo on CPU) all_to_all_single of the same uint8 buffers with the same
+               split sizes, in the same run: the measured ceiling for those bytes
   layout us    a full dispatch: layout, count exchange (the one host sync), metadata exchange and
                the payload (DeepEP's non-cached dispatch)
   dispatch us  a cached-handle dispatch: encode + gather + all-to-all + expansion to expert order
@@ -47,7 +48,10 @@ def _parse(argv):
     p.add_argument("--iters", type=int, default=None, help="timed iterations (GPU default 20, CPU 3)")
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--world", type=int, default=None, help="processes to start when not under torchrun")
-    p.add_argument("--backend", choices=("nccl", "gloo"), default=None)
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
+    p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
+                   "nccl,symm; CPU: gloo)")
+    p.add_argument("--chunks", type=int, default=4, help="encode slices of the symm backend's dispatch")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available() and a.backend != "gloo"
@@ -57,6 +61,11 @@ def _parse(argv):
     a.iters = a.iters or (20 if gpu else 3)
     a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 1)
     a.formats = [f for f in a.formats.split(",") if f]
+    a.backends = [b for b in (a.backends or ("nccl,symm" if a.backend == "nccl" else a.backend)).split(",") if b]
+    usable = ("nccl", "symm") if a.backend == "nccl" else ("gloo",)
+    for b in a.backends:
+        if b not in usable:
+            p.error(f"--backends: expected some of {usable} with the {a.backend} process group, got {b!r}")
     for f in a.formats:
         if f not in FORMATS:
             p.error(f"--formats: unknown format {f!r}")
@@ -107,15 +116,20 @@ def _routing(t, k, num_experts, device, seed):
     return idx.to(device), (w / w.sum(1, keepdim=True)).to(device)
 
 
-def _measure(timer, dist, buf, x, idx, w, codec, hidden, device) -> dict:
+def _raw_a2a(timer, dist, buf, x, idx, w, codec, hidden, device) -> float:
+    """ms of the raw all_to_all_single of this dispatch's payload bytes (same split sizes)."""
+    h = buf.dispatch(x, idx, w, payload=codec).handle
+    row_bytes = codec.row_bytes(hidden)
+    bufs = [torch.empty(sum(h.recv_counts), row_bytes, dtype=torch.uint8, device=device),
+            torch.empty(sum(h.send_counts), row_bytes, dtype=torch.uint8, device=device).random_(0, 256)]
+    return timer(lambda: dist.all_to_all_single(bufs[0], bufs[1], h.recv_counts, h.send_counts))
+
+
+def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms) -> dict:
     out = buf.dispatch(x, idx, w, payload=codec)
     h = out.handle
     row_bytes = codec.row_bytes(hidden)
     wire = sum(h.send_counts) * row_bytes
-    bufs = [torch.empty(sum(h.recv_counts), row_bytes, dtype=torch.uint8, device=device),
-            torch.empty(sum(h.send_counts), row_bytes, dtype=torch.uint8, device=device).random_(0, 256)]
-    a2a_ms = timer(lambda: dist.all_to_all_single(bufs[0], bufs[1], h.recv_counts, h.send_counts))
-    bufs.clear()
     layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
     disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
     e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)
@@ -132,34 +146,47 @@ def _run(args) -> list[dict]:
     import torch.distributed as dist
 
     from moe_fp4.ep import Buffer, get_payload
+    from moe_fp4.ep.backends import TorchDistributedBackend
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
     timer = _Timer(dist, None, device, args.iters, args.warmup)
+    plain = Buffer(args.experts, payload="bf16", backend=TorchDistributedBackend())
+    bufs = {}
+    for b in args.backends:
+        if b == "symm":
+            from moe_fp4.ep.symmetric import SymmetricMemoryBackend
+
+            bufs[b] = Buffer(args.experts, payload="bf16", backend=SymmetricMemoryBackend(chunks=args.chunks))
+        else:
+            bufs[b] = plain
     rows_out = []
     for t in args.tokens:
         idx, w = _routing(t, args.topk, args.experts, device, seed=1234 + rank)
         x = torch.randn(t, args.hidden, device=device, dtype=torch.bfloat16)
-        buf = Buffer(args.experts, payload="bf16")
         for name in args.formats:
-            r = _measure(timer, dist, buf, x, idx, w, get_payload(name), args.hidden, device)
-            rows_out.append(dict(tokens=t, fmt=name, **r))
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            codec = get_payload(name)
+            a2a_ms = _raw_a2a(timer, dist, plain, x, idx, w, codec, args.hidden, device)
+            for b, buf in bufs.items():
+                r = _measure(timer, buf, x, idx, w, codec, args.hidden, a2a_ms)
+                rows_out.append(dict(tokens=t, fmt=name, backend=b, **r))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     return rows_out
 
 
 def format_table(rows: list[dict]) -> str:
-    head = ("| tokens/rank | format | row B | wire MB | a2a us | a2a GB/s | layout us | dispatch us | GB/s | "
+    head = ("| tokens/rank | backend | format | row B | wire MB | a2a us | a2a GB/s | layout us | dispatch us | GB/s | "
             "link | combine us | e2e us | vs bf16 | vs fp8 | tok us | vs bf16 | vs fp8 |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
-        ref = {q["fmt"]: q for q in rows if q["tokens"] == r["tokens"]}
+        ref = {q["fmt"]: q for q in rows if q["tokens"] == r["tokens"] and q.get("backend") == r.get("backend")}
 
         def ratio(key, fmt, r=r, ref=ref):
             return f"{r[key] / ref[fmt][key]:.2f}x" if fmt in ref else "-"
 
-        lines.append(f"| {r['tokens']} | {r['fmt']} | {r['row_bytes']} | {r['wire_mb']:.1f} | {r['a2a_us']:.0f} | "
+        lines.append(f"| {r['tokens']} | {r.get('backend', '-')} | {r['fmt']} | {r['row_bytes']} | "
+                     f"{r['wire_mb']:.1f} | {r['a2a_us']:.0f} | "
                      f"{r['a2a_gbs']:.1f} | {r['layout_us']:.0f} | {r['disp_us']:.0f} | {r['gbs']:.1f} | "
                      f"{100 * r['link']:.0f}% | {r['comb_us']:.0f} | {r['e2e_us']:.0f} | {ratio('e2e_us', 'bf16')} | "
                      f"{ratio('e2e_us', 'fp8')} | {r['tok_us']:.0f} | {ratio('tok_us', 'bf16')} | "
@@ -169,18 +196,20 @@ def format_table(rows: list[dict]) -> str:
 
 def goals(rows: list[dict]) -> list[str]:
     out = []
-    for t in sorted({r["tokens"] for r in rows}):
-        ref = {r["fmt"]: r for r in rows if r["tokens"] == t}
+    keys = sorted({(r["tokens"], r.get("backend", "-")) for r in rows})
+    for t, backend in keys:
+        ref = {r["fmt"]: r for r in rows if r["tokens"] == t and r.get("backend", "-") == backend}
+        out.append(f"tokens {t}, backend {backend}:")
         if "mxfp4" in ref and "fp8" in ref and "bf16" in ref:
             for key, what in (("e2e_us", "e2e (to expert rows)"), ("tok_us", "to FP8 per received token")):
                 a = ref["mxfp4"][key] / ref["fp8"][key]
                 b = ref["mxfp4"][key] / ref["bf16"][key]
                 ok_a, ok_b = ("met" if a <= 0.6 else "NOT met"), ("met" if b <= 0.35 else "NOT met")
-                out.append(f"tokens {t}, {what}: mxfp4 = {a:.2f}x fp8 (goal <= 0.60: {ok_a}), "
+                out.append(f"  {what}: mxfp4 = {a:.2f}x fp8 (goal <= 0.60: {ok_a}), "
                            f"{b:.2f}x bf16 (goal <= 0.35: {ok_b})")
         links = ", ".join(f"{f} {100 * r['link']:.0f}%" for f, r in ref.items())
         ok = all(r["link"] >= 0.85 for r in ref.values())
-        out.append(f"tokens {t}: link use (raw a2a time / cached dispatch time): {links} "
+        out.append(f"  link use (raw NCCL a2a time / cached dispatch time): {links} "
                    f"(goal >= 85%: {'met' if ok else 'NOT met'})")
     return out
 

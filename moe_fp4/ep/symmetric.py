@@ -24,6 +24,7 @@ the backend is dropped (a peer may still be reading them).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -173,22 +174,27 @@ def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     plan = direct_plan(handle, chunks)
     backend.ensure_capacity(max(handle.peer_num_tokens) * width)
     recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
-    main = torch.cuda.current_stream(backend.device)
-    side = backend.side_stream
+    cuda = x.is_cuda  # (CPU: the Triton interpreter in tests, no streams)
+    main = torch.cuda.current_stream(backend.device) if cuda else None
+    side = backend.side_stream if cuda else None
     backend.barrier(0)  # every peer has finished reading the staging buffer
     staging = backend.staging(x.shape[0], width)
-    side.wait_stream(main)
+    if cuda:
+        side.wait_stream(main)
     for c, (lo, hi) in enumerate(chunk_bounds(x.shape[0], chunks)):
         if hi > lo:
             codec.encode_into(x[lo:hi], staging[lo:hi])
-        ready = torch.cuda.Event()
-        ready.record(main)
-        with torch.cuda.stream(side):
-            side.wait_event(ready)
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(main)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if cuda:
+                side.wait_event(ready)
             backend.barrier(1 + c)  # slice c is encoded on every rank
             _triton_rows.copy_rows(recv, handle.recv_src_token, plan["recv_rank"], backend.bases,
                                    plan["recv_chunk"] if chunks > 1 else None, c)
-    main.wait_stream(side)
+    if cuda:
+        main.wait_stream(side)
     return recv
 
 
