@@ -52,6 +52,8 @@ def _parse(argv):
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
                    "nccl,symm; CPU: gloo)")
     p.add_argument("--chunks", type=int, default=4, help="encode slices of the symm backend's dispatch")
+    p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
+                   "transfer, conversions, combine kernels) at the largest token count")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available() and a.backend != "gloo"
@@ -170,9 +172,51 @@ def _run(args) -> list[dict]:
             for b, buf in bufs.items():
                 r = _measure(timer, buf, x, idx, w, codec, args.hidden, a2a_ms)
                 rows_out.append(dict(tokens=t, fmt=name, backend=b, **r))
+                if rank == 0:  # progress (the table is printed at the end)
+                    print(f"tokens {t} {b} {name}: dispatch {r['disp_us']:.0f} us, a2a {r['a2a_us']:.0f} us, "
+                          f"tok {r['tok_us']:.0f} us, e2e {r['e2e_us']:.0f} us, combine {r['comb_us']:.0f} us",
+                          flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    if args.breakdown and "symm" in bufs:
+        t = max(args.tokens)
+        idx, w = _routing(t, args.topk, args.experts, device, seed=1234 + rank)
+        x = torch.randn(t, args.hidden, device=device, dtype=torch.bfloat16)
+        rows_out.append(dict(breakdown=_breakdown(timer, bufs["symm"], x, idx, w, args.hidden), tokens=t))
     return rows_out
+
+
+def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
+    """us of the pieces of the mxfp4 dispatch and the bf16 combine over the symm backend."""
+    from moe_fp4.ep import _triton_combine, _triton_rows, get_payload
+    from moe_fp4.ep.payloads import PayloadCodec, gather_rows
+    from moe_fp4.ep.symmetric import direct_plan
+
+    codec = get_payload("mxfp4")
+    out = buf.dispatch(x, idx, w, payload=codec)
+    h, b = out.handle, buf.backend
+    recv = out.recv_rows
+    plan = direct_plan(h, b.chunks)
+    staging = b.staging(x.shape[0], recv.shape[1])
+    y = out.values(torch.bfloat16)
+    partial = torch.empty(h.num_recv_tokens, hidden, dtype=torch.bfloat16, device=x.device)
+    res = [
+        ("encode quantize_mxfp4_rows into staging", timer(lambda: codec.encode_into(x, staging))),
+        ("encode + pack rows per destination (NCCL path)", timer(lambda: gather_rows(codec.encode(x), h.send_token))),
+        ("pull all received rows (copy_rows)", timer(lambda: _triton_rows.copy_rows(recv, h.recv_src_token,
+                                                                                   plan["recv_rank"], b.bases))),
+        ("device barrier", timer(lambda: b.barrier(0))),
+        ("FP8 per received token (native)", timer(lambda: codec.to_fp8_blockwise(recv, hidden))),
+        ("FP8 expert rows, fused Triton gather", timer(lambda: codec.gather_fp8_blockwise(recv, hidden, h.expand_row))),
+        ("FP8 expert rows, native + gather", timer(lambda: PayloadCodec.gather_fp8_blockwise(codec, recv, hidden,
+                                                                                             h.expand_row))),
+        ("combine: local partial sums", timer(lambda: _triton_combine.gather_sum(y, h.slot_table, h.recv_topk_weights,
+                                                                               torch.bfloat16, out=partial))),
+        ("combine: sums over peer buffers", timer(lambda: _triton_combine.gather_sum_peers(b.bases,
+                                                                                         plan["peer_rank_table"],
+                                                                                         hidden))),
+    ]
+    return [(name, ms * 1e3) for name, ms in res]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -264,9 +308,14 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"dispatch benchmark: hidden {args.hidden}, top-{args.topk}, {args.experts} experts over {world} ranks, "
               f"median of {args.iters} iterations\ndevice: {device}; torch {torch.__version__}; {stamp}\n"
               f"{_native_state()}")
+    parts = [r for r in rows if "breakdown" in r]
+    rows = [r for r in rows if "breakdown" not in r]
     table = format_table(rows)
     summary = "\n".join(goals(rows))
     text = f"{header}\n\n{table}\n\n{summary}\n"
+    for r in parts:
+        text += f"\nbreakdown at {r['tokens']} tokens/rank (symm backend, mxfp4 dispatch, bf16 combine):\n"
+        text += "\n".join(f"  {name}: {us:.0f} us" for name, us in r["breakdown"]) + "\n"
     print(text)
     if args.out:
         with open(args.out, "w") as f:
