@@ -1,16 +1,28 @@
 """Recipe ablation: a small GPT trained on the Python standard library's source bytes, one run per
-recipe, same seed, same steps, same data order.
+recipe and seed, same steps and same data order in every run.
 
-Question: how far does each dense-layer recipe's loss land from BF16's after the same training?
-Runs: bf16, mxfp8_up (MXFP8, scales rounded up), mxfp8_floor (OCP floor), nvfp4_all (2-D weights,
-RHT on wgrad, stochastic gradients, last block in BF16), nvfp4_none (none of those), mxfp4 (RHT,
-stochastic gradients, last block in BF16), fp8_blockwise (real FP8 GEMMs through torch._scaled_mm
-on sm_90), plus bf16_seed2 (BF16 with another seed: the run-to-run noise to read the others by).
+Question: how far does each dense-layer recipe's loss land from BF16's after the same training, and
+is that distance larger than the seed-to-seed noise? Configurations: bf16, mxfp8_up (MXFP8, scales
+rounded up), mxfp8_floor (OCP floor), nvfp4_all (2-D weights, RHT on wgrad, stochastic gradients,
+last block in BF16), nvfp4_none (none of those), mxfp4 (RHT, stochastic gradients, last block in
+BF16), fp8_blockwise (real FP8 GEMMs through torch._scaled_mm on sm_90). Every configuration runs
+for every seed; a seed fixes the initial weights and the stochastic-rounding seed, and the batches are
+the same in all runs, so "recipe minus BF16 at the same seed" is a paired difference.
+
+Final loss: the held-out eval loss (the last 5% of the bytes, ``--eval-batches`` fixed batches) after
+the last step; the mean training loss of the last 10% of steps is reported beside it.
 
 Data: byte-level tokens (vocabulary 256) of the .py files of this Python's standard library, in
-sorted path order; the last 5% of the bytes are held out for the eval loss.
+sorted path order; the last 5% of the bytes are held out.
 
-Usage: python benchmarks/ablation.py --out DIR [--steps N | --time-budget SECONDS]
+Usage:
+  python benchmarks/ablation.py --out DIR --steps N [--seeds 0,1,2] [--jobs 3] [--runs bf16,mxfp8_up]
+      trains; with --jobs > 1 the seeds run in that many concurrent processes (the GPU is far from
+      busy with one launch-bound process), each writing DIR/seed_<s>/runs.json; then the report.
+  python benchmarks/ablation.py --out DIR --step-times [--runs ...]
+      seconds per training step of each configuration, compiled and eager quantizers (first step,
+      which compiles, timed apart), and a torch.profiler table of one step of each kind.
+  python benchmarks/ablation.py --out DIR --report-only   the report from DIR/seed_*/runs.json
 Writes DIR/ablation.json (curves, losses, timings), DIR/ablation.md (table) and DIR/ablation.png.
 """
 
@@ -18,8 +30,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import math
+import statistics
+import subprocess
 import sys
 import sysconfig
 import time
@@ -39,13 +54,15 @@ from moe_fp4.recipes import (  # noqa: E402
     convert_linears,
     scaled_mm_status,
 )
+from moe_fp4.recipes.compiled import compiled_status  # noqa: E402
 
 VOCAB = 256
+CONFIGS = ("bf16", "mxfp8_up", "mxfp8_floor", "nvfp4_all", "nvfp4_none", "mxfp4", "fp8_blockwise")
 
 
-def recipes(gemm_dtype: str) -> dict[str, object]:
-    """Run name -> recipe (None: BF16)."""
-    g = {"gemm_dtype": gemm_dtype}
+def recipes(gemm_dtype: str, quantizer: str = "auto") -> dict[str, object]:
+    """Configuration name -> recipe (None: BF16)."""
+    g = {"gemm_dtype": gemm_dtype, "quantizer": quantizer}
     return {
         "bf16": None,
         "mxfp8_up": MXFP8Recipe(scale_rounding="up", **g),
@@ -55,7 +72,6 @@ def recipes(gemm_dtype: str) -> dict[str, object]:
                                   bf16_last_blocks=0, **g),
         "mxfp4": MXFP4Recipe(**g),
         "fp8_blockwise": FP8BlockwiseRecipe(backend="auto", **g),
-        "bf16_seed2": None,
     }
 
 
@@ -126,24 +142,42 @@ def loss_of(model, tokens, targets):
     return F.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1))
 
 
+def build(recipe, args, seed: int, device):
+    torch.manual_seed(args.init_seed + seed)
+    model = GPT(args.d_model, args.layers, args.heads, args.seq).to(device)
+    report = None
+    if recipe is not None:
+        report = convert_linears(model, dataclasses.replace(recipe, seed=seed))
+    return model, report
+
+
 # ------------------------------------------------------------------------------------------------
 # one run
 # ------------------------------------------------------------------------------------------------
 
 
+def eval_loss(model, eval_data, args, device) -> float:
+    gen = torch.Generator(device="cpu").manual_seed(4321)  # the same held-out batches for every run
+    total = torch.zeros((), device=device)
+    with torch.no_grad():
+        for _ in range(args.eval_batches):
+            starts = torch.randint(0, eval_data.numel() - args.seq - 1, (args.batch,), generator=gen).to(device)
+            total += loss_of(model, *batch_at(eval_data, starts, args.seq))
+    return float(total) / args.eval_batches
+
+
 def train(name, recipe, args, train_data, eval_data, steps, seed, device):
-    torch.manual_seed(seed)
-    model = GPT(args.d_model, args.layers, args.heads, args.seq).to(device)
-    report = convert_linears(model, recipe) if recipe is not None else None
+    model, report = build(recipe, args, seed, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
                             fused=device.type == "cuda")
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))))
     data_gen = torch.Generator(device="cpu").manual_seed(args.data_seed)  # same data order in every run
-    losses = []
+    evals_at = sorted({steps // 2, (3 * steps) // 4, steps})
+    losses, evals = [], {}
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         starts = torch.randint(0, train_data.numel() - args.seq - 1, (args.batch,), generator=data_gen).to(device)
         tokens, targets = batch_at(train_data, starts, args.seq)
         loss = loss_of(model, tokens, targets)
@@ -153,55 +187,90 @@ def train(name, recipe, args, train_data, eval_data, steps, seed, device):
         opt.step()
         sched.step()
         losses.append(loss.detach())
-    losses = [float(v) for v in torch.stack(losses).cpu()]
+        if step in evals_at and step != steps:
+            evals[step] = eval_loss(model, eval_data, args, device)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    eval_gen = torch.Generator(device="cpu").manual_seed(4321)
-    with torch.no_grad():
-        ev = []
-        for _ in range(args.eval_batches):
-            starts = torch.randint(0, eval_data.numel() - args.seq - 1, (args.batch,), generator=eval_gen).to(device)
-            ev.append(float(loss_of(model, *batch_at(eval_data, starts, args.seq))))
+    evals[steps] = eval_loss(model, eval_data, args, device)
+    losses = [float(v) for v in torch.stack(losses).cpu()]
     tail = max(1, steps // 10)
     return {
-        "name": name, "recipe": repr(recipe), "steps": steps, "seconds": seconds, "s_per_step": seconds / steps,
-        "train_losses": losses, "final_train": sum(losses[-tail:]) / tail, "eval": sum(ev) / len(ev),
+        "name": name, "seed": seed, "recipe": repr(recipe), "steps": steps, "seconds": seconds,
+        "s_per_step": seconds / steps, "train_losses": losses, "final_train": sum(losses[-tail:]) / tail,
+        "eval": evals[steps], "evals": {str(k): v for k, v in sorted(evals.items())},
         "quantized_layers": len(report.quantized) if report else 0,
         "bf16_layers": len(report.kept_bf16) if report else None,
         "finite": all(math.isfinite(v) for v in losses),
     }
 
 
-def step_time(recipe, args, train_data, device, n=4):
-    """Seconds per training step of ``recipe`` (after two warm-up steps)."""
-    torch.manual_seed(0)
-    model = GPT(args.d_model, args.layers, args.heads, args.seq).to(device)
-    if recipe is not None:
-        convert_linears(model, recipe)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+# ------------------------------------------------------------------------------------------------
+# step times and profile
+# ------------------------------------------------------------------------------------------------
+
+
+def step_times(args, train_data, device, out: Path) -> dict:
+    """Per configuration and quantizer: first step (compiles) and the median of ``args.time_steps``
+    further steps, in seconds; plus a torch.profiler summary of one step of nvfp4_all each way."""
     starts = torch.arange(args.batch, device=device) * 997
     tokens, targets = batch_at(train_data, starts, args.seq)
-    times = []
-    for i in range(n + 2):
-        if device.type == "cuda":
+    results, lines = {}, ["| configuration | quantizer | first step s (compiles) | median step s | vs BF16 |",
+                          "|---|---|---|---|---|"]
+    names = [n for n in CONFIGS if n in args.runs]
+    for quantizer in ("auto", "eager"):
+        for name in names:
+            rec = recipes(args.gemm_dtype, quantizer)[name]
+            if rec is None and quantizer == "eager":
+                continue
+            model, _ = build(rec, args, 0, device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            times = []
+            for _ in range(args.time_steps + 2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                loss = loss_of(model, tokens, targets)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times[2:])
+            label = "compiled" if quantizer == "auto" and rec is not None else ("eager" if rec else "—")
+            results[f"{name}/{label}"] = {"first_s": times[0], "median_s": med}
+            base = results.get("bf16/—", {}).get("median_s")
+            lines.append(f"| {name} | {label} | {times[0]:.2f} | {med:.4f} | "
+                         f"{med / base:.1f}x |" if base else f"| {name} | {label} | {times[0]:.2f} | {med:.4f} | — |")
+            print(lines[-1], flush=True)
+    prof_lines = []
+    for quantizer in ("auto", "eager"):
+        model, _ = build(recipes(args.gemm_dtype, quantizer)["nvfp4_all"], args, 0, device)
+        for _ in range(2):
+            loss_of(model, tokens, targets).backward()
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            loss_of(model, tokens, targets).backward()
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = loss_of(model, tokens, targets)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        cuda_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+        prof_lines.append(f"### nvfp4_all, forward+backward, quantizer {quantizer}: {kernels} GPU kernels, "
+                          f"{cuda_us / 1e3:.1f} ms of GPU time\n")
+        prof_lines.append("```\n" + events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60)
+                          + "\n```\n")
+    text = "\n".join(lines) + "\n\n" + "\n".join(prof_lines)
+    (out / "step_times.md").write_text(text)
+    (out / "step_times.json").write_text(json.dumps({"step_times": results, "compiled": compiled_status()}, indent=1))
+    print(text, flush=True)
+    return results
 
 
 def gradient_errors(args, train_data, device, batches: int = 4) -> dict[str, float]:
     """One-step fidelity: ||g_recipe - g_fp32|| / ||g_fp32|| over all parameters, the same weights and
     batches for every recipe (float32 GEMMs, no torch.autocast), mean over ``batches`` batches."""
-    torch.manual_seed(args.seed)
+    torch.manual_seed(args.init_seed)
     base = GPT(args.d_model, args.layers, args.heads, args.seq).to(device)
     gen = torch.Generator(device="cpu").manual_seed(args.data_seed)
     data = [batch_at(train_data, torch.randint(0, train_data.numel() - args.seq - 1, (args.batch,),
@@ -230,18 +299,53 @@ def gradient_errors(args, train_data, device, batches: int = 4) -> dict[str, flo
 # ------------------------------------------------------------------------------------------------
 
 
-def write_report(results, meta, out: Path):
-    (out / "ablation.json").write_text(json.dumps({"meta": meta, "runs": results}, indent=1))
-    base = next((r for r in results if r["name"] == "bf16"), None)
-    lines = ["| run | final train loss (mean of last 10% steps) | vs BF16 | held-out eval loss | vs BF16 | s/step |",
+def _mean_sd(values):
+    values = list(values)
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else float("nan"))
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """Per configuration: eval and train loss mean / sd / min / max over seeds, and the paired
+    relative difference from BF16 at the same seed (mean and sd over seeds)."""
+    by = {}
+    for r in runs:
+        by.setdefault(r["name"], {})[r["seed"]] = r
+    base = by.get("bf16", {})
+    rows = []
+    for name in [n for n in CONFIGS if n in by]:
+        seeds = sorted(by[name])
+        ev = [by[name][s]["eval"] for s in seeds]
+        tr = [by[name][s]["final_train"] for s in seeds]
+        paired = [100 * (by[name][s]["eval"] / base[s]["eval"] - 1) for s in seeds if s in base]
+        paired_t = [100 * (by[name][s]["final_train"] / base[s]["final_train"] - 1) for s in seeds if s in base]
+        rows.append({
+            "name": name, "seeds": seeds, "eval": ev, "eval_mean_sd": _mean_sd(ev), "train_mean_sd": _mean_sd(tr),
+            "eval_vs_bf16_pct": paired, "eval_vs_bf16_mean_sd": _mean_sd(paired),
+            "train_vs_bf16_mean_sd": _mean_sd(paired_t),
+            "s_per_step": statistics.fmean(by[name][s]["s_per_step"] for s in seeds),
+            "finite": all(by[name][s]["finite"] for s in seeds),
+        })
+    return rows
+
+
+def write_report(runs, meta, out: Path):
+    rows = summarize(runs)
+    (out / "ablation.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
+    n = len(rows[0]["seeds"]) if rows else 0
+    lines = [f"| run | held-out eval loss, mean ± sd ({n} seeds) | eval vs BF16, paired by seed: mean ± sd "
+             f"| per-seed eval vs BF16 | train loss (last 10%) vs BF16 | s/step |",
              "|---|---|---|---|---|---|"]
-    for r in results:
-        rel_t = rel_e = "—"
-        if base is not None:
-            rel_t = f"{100 * (r['final_train'] / base['final_train'] - 1):+.2f}%"
-            rel_e = f"{100 * (r['eval'] / base['eval'] - 1):+.2f}%"
-        lines.append(f"| {r['name']} | {r['final_train']:.4f} | {rel_t} | {r['eval']:.4f} | {rel_e} | "
-                     f"{r['s_per_step']:.3f} |")
+    for r in rows:
+        m, sd = r["eval_mean_sd"]
+        pm, psd = r["eval_vs_bf16_mean_sd"]
+        tm, tsd = r["train_vs_bf16_mean_sd"]
+        per = ", ".join(f"{v:+.2f}%" for v in r["eval_vs_bf16_pct"])
+        rel = "—" if r["name"] == "bf16" else f"{pm:+.2f}% ± {psd:.2f}"
+        rel_t = "—" if r["name"] == "bf16" else f"{tm:+.2f}% ± {tsd:.2f}"
+        lines.append(f"| {r['name']}{'' if r['finite'] else ' (NaN)'} | {m:.4f} ± {sd:.4f} | {rel} | "
+                     f"{per if r['name'] != 'bf16' else '—'} | {rel_t} | {r['s_per_step']:.4f} |")
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
     try:
@@ -252,70 +356,144 @@ def write_report(results, meta, out: Path):
     except ImportError:
         print("matplotlib missing: no plot", flush=True)
         return
+
     def moving_mean(ys, k):
         c = [0.0]
         for v in ys:
             c.append(c[-1] + v)
         return [(c[i + 1] - c[max(0, i + 1 - k)]) / (i + 1 - max(0, i + 1 - k)) for i in range(len(ys))]
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
-    base_curve = base["train_losses"] if base is not None else None
-    for r in results:
-        ys = r["train_losses"]
-        smooth = moving_mean(ys, max(1, len(ys) // 25))
-        style = "--" if r["name"].startswith("bf16") else "-"
-        axes[0].plot(smooth, style, label=r["name"], lw=1.2)
-        half = len(smooth) // 2
-        axes[1].plot(range(half, len(smooth)), smooth[half:], style, label=r["name"], lw=1.2)
-        if base_curve is not None and len(base_curve) == len(ys):
-            # same batches in every run: the per-step difference cancels most of the batch noise
-            diff = moving_mean([a - b for a, b in zip(ys, base_curve)], max(1, len(ys) // 10))
-            axes[2].plot(diff, style, label=r["name"], lw=1.2)
-    axes[0].set_title("training loss (moving mean over 4% of the steps)")
-    axes[1].set_title("second half, zoomed")
-    axes[2].set_title("loss minus BF16's, same batch (moving mean over 10%)")
+    by = {}
+    for r in runs:
+        by.setdefault(r["name"], {})[r["seed"]] = r
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    names = [r["name"] for r in rows]
+    colors = {name: f"C{i}" for i, name in enumerate(CONFIGS)}
+    base = next((r for r in rows if r["name"] == "bf16"), None)
+    if base is not None and len(base["eval"]) > 1:  # BF16's own seed-to-seed spread, as a band
+        sd = 100 * base["eval_mean_sd"][1] / base["eval_mean_sd"][0]
+        axes[0].axhspan(-sd, sd, color="0.85", label="BF16 seed-to-seed sd")
+    for i, r in enumerate(rows):  # panel 1: paired difference from BF16 per seed, mean ± sd
+        if r["name"] == "bf16" or not r["eval_vs_bf16_pct"]:
+            continue
+        vals = r["eval_vs_bf16_pct"]
+        axes[0].scatter([i] * len(vals), vals, color=colors[r["name"]], s=18, alpha=0.7)
+        m, sd = r["eval_vs_bf16_mean_sd"]
+        axes[0].errorbar([i], [m], yerr=[0.0 if math.isnan(sd) else sd], color=colors[r["name"]], capsize=4,
+                         fmt="o", ms=7)
+    axes[0].axhline(0.0, color="k", lw=0.6)
+    axes[0].set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+    axes[0].set_ylabel("held-out eval loss vs BF16 at the same seed (%)")
+    axes[0].set_title("final eval loss vs BF16: seeds (dots), mean ± sd", fontsize=9)
+    axes[0].legend(fontsize=8)
+    for name in names:  # panel 2: training curves, mean over seeds, second half
+        curves = [by[name][s]["train_losses"] for s in sorted(by[name])]
+        mean = [statistics.fmean(v) for v in zip(*curves)]
+        smooth = moving_mean(mean, max(1, len(mean) // 25))
+        half = len(smooth) // 3
+        style = "--" if name == "bf16" else "-"
+        axes[1].plot(range(half, len(smooth)), smooth[half:], style, color=colors[name], label=name, lw=1.2)
+        if name != "bf16" and "bf16" in by:  # panel 3: paired difference from BF16, mean over seeds
+            diffs = [[a - b for a, b in zip(by[name][s]["train_losses"], by["bf16"][s]["train_losses"])]
+                     for s in sorted(by[name]) if s in by["bf16"]]
+            if diffs:
+                d = moving_mean([statistics.fmean(v) for v in zip(*diffs)], max(1, len(mean) // 10))
+                axes[2].plot(d, color=colors[name], label=name, lw=1.2)
+    axes[1].set_title("training loss, seed mean, last 2/3 (4% moving mean)", fontsize=9)
+    axes[2].set_title("training loss minus BF16's, same seed and batches (seed mean, 10% moving mean)", fontsize=9)
     axes[2].axhline(0.0, color="k", lw=0.6)
-    for ax in axes:
+    for ax in axes[1:]:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("cross-entropy (nats / byte)")
-    axes[2].legend(fontsize=8)
-    fig.suptitle(f"small GPT on stdlib bytes: {meta['model']}, {meta['steps']} steps, {meta['device']}", fontsize=9)
+    axes[1].set_ylabel("cross-entropy (nats / byte)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"small GPT on stdlib bytes: {meta['model']}, {meta['steps']} steps, {meta['device']}, "
+                 f"{meta['date_utc']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "ablation.png", dpi=110)
 
 
-def main(argv=None) -> int:
+# ------------------------------------------------------------------------------------------------
+# main
+# ------------------------------------------------------------------------------------------------
+
+
+def parse(argv):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--time-budget", type=float, default=180.0, help="seconds for all runs when --steps is not given")
-    p.add_argument("--min-steps", type=int, default=60)
-    p.add_argument("--max-steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated seed indices")
+    p.add_argument("--jobs", type=int, default=1, help="concurrent processes (one per seed)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--init-seed", type=int, default=1234, help="initial weights use init_seed + seed")
     p.add_argument("--data-seed", type=int, default=99)
-    p.add_argument("--eval-batches", type=int, default=16)
+    p.add_argument("--eval-batches", type=int, default=32)
     p.add_argument("--gemm-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--runs", default=None, help="comma-separated subset of the run names")
+    p.add_argument("--quantizer", default="auto", choices=("auto", "compiled", "eager"))
+    p.add_argument("--runs", default=",".join(CONFIGS), help="comma-separated subset of the configurations")
+    p.add_argument("--time-steps", type=int, default=5, help="steps timed per configuration (--step-times)")
+    p.add_argument("--step-times", action="store_true")
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--no-report", action="store_true", help="only DIR/runs.json (the workers of --jobs)")
     p.add_argument("--grad-error-only", action="store_true",
                    help="only the one-step gradient error of each recipe against float32 (no training)")
     args = p.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    unknown = set(args.runs) - set(CONFIGS)
+    if unknown:
+        p.error(f"--runs: unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
+    args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    return args
+
+
+def meta_of(args, device, root, nfiles, nbytes, argv) -> dict:
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "python": sys.version.split()[0], "stdlib": root, "files": nfiles,
+        "bytes": nbytes, "steps": args.steps, "seeds": args.seed_list, "jobs": args.jobs,
+        "model": f"{args.layers} layers, d={args.d_model}, {args.heads} heads, seq {args.seq}, batch {args.batch}",
+        "tokens_per_step": args.batch * args.seq, "lr": args.lr, "gemm_dtype": args.gemm_dtype,
+        "quantizer": args.quantizer, "eval_batches": args.eval_batches,
+        "command": "python benchmarks/ablation.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
     data, root, nfiles = stdlib_bytes()
+    meta = meta_of(args, device, root, nfiles, int(data.numel()), argv)
+
+    if args.report_only or (args.jobs > 1 and len(args.seed_list) > 1):
+        if not args.report_only:  # one process per seed, then the report from their files
+            base = [a for a in (sys.argv[1:] if argv is None else argv)]
+            procs = []
+            for s in args.seed_list:
+                cmd = [sys.executable, __file__, *base, "--seeds", str(s), "--jobs", "1", "--no-report",
+                       "--out", str(args.out / f"seed_{s}")]
+                procs.append(subprocess.Popen(cmd))
+                if len(procs) >= args.jobs:
+                    procs.pop(0).wait()
+            for proc in procs:
+                proc.wait()
+        runs = []
+        for f in sorted(args.out.glob("seed_*/runs.json")):
+            part = json.loads(f.read_text())
+            runs += part["runs"]
+            meta.setdefault("workers", []).append(part["meta"])
+        write_report(runs, meta, args.out)
+        return 0
+
     data = data.to(device)
     split = int(data.numel() * 0.95)
     train_data, eval_data = data[:split], data[split:]
-    runs = recipes(args.gemm_dtype)
-    if args.runs:
-        runs = {k: v for k, v in runs.items() if k in args.runs.split(",")}
     print(f"data: {nfiles} files under {root}, {data.numel()} bytes ({split} train)", flush=True)
     if args.grad_error_only:
         errs = gradient_errors(args, train_data, device)
@@ -324,35 +502,23 @@ def main(argv=None) -> int:
         (args.out / "gradient_error.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines), flush=True)
         return 0
+    if args.step_times:
+        step_times(args, train_data, device, args.out)
+        return 0
 
-    steps = args.steps
-    timings = {}
-    if steps is None:
-        for name, rec in runs.items():
-            if name != "bf16_seed2":
-                timings[name] = step_time(rec, args, train_data, device)
-        timings.setdefault("bf16_seed2", timings.get("bf16", 0.0))
-        per_step_all = sum(timings[n] for n in runs) * 1.12  # plus evals, warm-up and jitter
-        steps = int(min(args.max_steps, max(args.min_steps, args.time_budget / per_step_all)))
-        print(f"step times (s): { {k: round(v, 4) for k, v in timings.items()} } -> {steps} steps", flush=True)
-
-    meta = {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "python": sys.version.split()[0], "stdlib": root, "files": nfiles,
-        "bytes": int(data.numel()), "steps": steps, "calibrated_step_s": timings,
-        "model": f"{args.layers} layers, d={args.d_model}, {args.heads} heads, seq {args.seq}, batch {args.batch}",
-        "tokens_per_step": args.batch * args.seq, "lr": args.lr, "gemm_dtype": args.gemm_dtype,
-        "command": "python benchmarks/ablation.py " + " ".join(sys.argv[1:] if argv is None else argv),
-    }
-    results = []
-    for name, rec in runs.items():
-        seed = args.seed + (1 if name == "bf16_seed2" else 0)
-        r = train(name, rec, args, train_data, eval_data, steps, seed, device)
-        print(f"{name}: train {r['final_train']:.4f} eval {r['eval']:.4f} ({r['seconds']:.1f} s)", flush=True)
-        results.append(r)
-        meta["scaled_mm_status"] = {k: (v if v is True else str(v)) for k, v in scaled_mm_status().items()}
-        write_report(results, meta, args.out)
+    runs = []
+    configs = recipes(args.gemm_dtype, args.quantizer)
+    for seed in args.seed_list:
+        for name in [n for n in CONFIGS if n in args.runs]:
+            r = train(name, configs[name], args, train_data, eval_data, args.steps, seed, device)
+            print(f"seed {seed} {name}: eval {r['eval']:.4f} train {r['final_train']:.4f} "
+                  f"({r['seconds']:.1f} s, {r['s_per_step']:.4f} s/step)", flush=True)
+            runs.append(r)
+            meta["scaled_mm_status"] = {k: (v if v is True else str(v)) for k, v in scaled_mm_status().items()}
+            meta["compiled_status"] = {k: (v if v is True else str(v)) for k, v in compiled_status().items()}
+            (args.out / "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+    if not args.no_report:
+        write_report(runs, meta, args.out)
     return 0
 
 

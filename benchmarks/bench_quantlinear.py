@@ -2,15 +2,18 @@
 
 Question: what does each recipe cost per linear layer on this GPU? The MX / NVFP4 recipes are
 emulated (spec quantize -> dequantize -> BF16 GEMM), so they measure the price of emulation, not
-of FP4/FP8 hardware; the blockwise FP8 recipe runs real FP8 GEMMs (torch._scaled_mm) but still
-quantizes through the reference spec (plain PyTorch, many kernels per tensor). The GEMM-only rows
-show what the FP8 tensor cores give once the operands are quantized.
+of FP4/FP8 hardware; the blockwise FP8 recipe runs real FP8 GEMMs (torch._scaled_mm) on operands
+quantized by the spec. Each recipe runs twice: with its quantizers compiled (``quantizer="auto"``
+on CUDA: the spec's functions through torch.compile, the default) and eager (``quantizer="eager"``:
+the plain-PyTorch spec, about 150 kernels per operand). The GEMM-only rows show what the FP8
+tensor cores give once the operands are quantized.
 
 Timing: CUDA events, median of --reps after --warmup calls; forward and forward+backward of a
 layer with BF16 input [M, K] and weight [N, K]; TFLOP/s counts 2*M*N*K per GEMM (3 GEMMs for
 forward+backward). Peaks for the share column: H100/H200 SXM dense 989 TFLOP/s BF16, 1979 FP8.
 
 Usage: python benchmarks/bench_quantlinear.py --out DIR [--shapes 4096x4096x4096,8192x8192x8192]
+       python benchmarks/bench_quantlinear.py --out DIR --probe-layouts   (raw torch._scaled_mm, unpadded)
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moe_fp4.formats import quantize_fp8_blockwise  # noqa: E402
+from moe_fp4.formats import dequantize_fp8_blockwise, quantize_fp8_blockwise  # noqa: E402
 from moe_fp4.recipes import (  # noqa: E402
     FP8BlockwiseRecipe,
     MXFP4Recipe,
@@ -35,20 +38,24 @@ from moe_fp4.recipes import (  # noqa: E402
     fp8_blockwise_scaled_mm,
     scaled_mm_status,
 )
+from moe_fp4.recipes.compiled import compiled_status  # noqa: E402
 
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
 
 
-def cases():
-    g = {"gemm_dtype": "bfloat16"}
-    return {
-        "nn.Linear bf16": None,
-        "MXFP8 (emulated)": MXFP8Recipe(**g),
-        "NVFP4 all techniques (emulated)": NVFP4Recipe(**g),
-        "MXFP4 (emulated)": MXFP4Recipe(**g),
-        "FP8 blockwise (emulated)": FP8BlockwiseRecipe(backend="emulate", **g),
-        "FP8 blockwise (torch._scaled_mm)": FP8BlockwiseRecipe(backend="scaled_mm", **g),
-    }
+def cases(eager: bool = True):
+    out = {"nn.Linear bf16": None}
+    for quantizer in ("auto", "eager") if eager else ("auto",):
+        g = {"gemm_dtype": "bfloat16", "quantizer": quantizer}
+        q = "compiled" if quantizer == "auto" else "eager"
+        out.update({
+            f"MXFP8 (emulated, {q})": MXFP8Recipe(**g),
+            f"NVFP4 all techniques (emulated, {q})": NVFP4Recipe(**g),
+            f"MXFP4 (emulated, {q})": MXFP4Recipe(**g),
+            f"FP8 blockwise (emulated, {q})": FP8BlockwiseRecipe(backend="emulate", **g),
+            f"FP8 blockwise (torch._scaled_mm, {q})": FP8BlockwiseRecipe(backend="scaled_mm", **g),
+        })
+    return out
 
 
 DEVICE = "cuda"
@@ -117,6 +124,31 @@ def bench_gemm_only(m, n, k, warmup, reps):
     return out
 
 
+def probe_layouts() -> list[str]:
+    """Raw ``torch._scaled_mm`` (no padding) for each scale layout and K/128 % 4, against
+    dequantize-then-matmul: which layouts this torch / cuBLAS computes right without padding."""
+    lines = ["| layout | M x N x K | K/128 % 4 | result |", "|---|---|---|---|"]
+    for kb in (4, 5, 6, 7):
+        k = 128 * kb
+        a = torch.randn(256, k, device=DEVICE)
+        b = torch.randn(384, k, device=DEVICE)
+        da, sa = quantize_fp8_blockwise(a, block=(1, 128))
+        ref_a = dequantize_fp8_blockwise(da, sa, block=(1, 128))
+        for block in ((1, 128), (128, 128)):
+            db, sb = quantize_fp8_blockwise(b, block=block)
+            ref = ref_a @ dequantize_fp8_blockwise(db, sb, block=block).t()
+            scale_b = sb.t().contiguous() if block == (1, 128) else sb.contiguous().t()
+            try:
+                out = torch._scaled_mm(da, db.t(), scale_a=sa.t().contiguous().t(), scale_b=scale_b,
+                                       out_dtype=torch.bfloat16)
+                err = float((out.float() - ref).abs().max() / ref.abs().max())
+                res = f"max error {err:.2e} of the largest value ({'right' if err < 2.0 ** -7 else 'WRONG'})"
+            except Exception as err:  # noqa: BLE001 - report whatever the GEMM raised
+                res = "refused: " + (" ".join(str(err).split())[:160] or type(err).__name__)
+            lines.append(f"| 1x128 x {block[0]}x{block[1]} | 256x384x{k} | {kb % 4} | {res} |")
+    return lines
+
+
 def check_real_vs_emulated(r=512, c=384, length=640):
     """max |real - emulated| / max |emulated| of ``A @ B^T`` (A [r, L], B [c, L]) for the operand
     blocks of each GEMM: the same quantized operands, so only accumulation and the BF16 output differ."""
@@ -141,6 +173,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--cpu", action="store_true", help="smoke run on the CPU (no real FP8 GEMM there)")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager-quantizer rows")
+    p.add_argument("--probe-layouts", action="store_true", help="only the raw torch._scaled_mm layout probe")
     args = p.parse_args(argv)
     global DEVICE
     DEVICE = "cpu" if args.cpu else "cuda"
@@ -148,6 +182,11 @@ def main(argv=None) -> int:
         print("needs a CUDA GPU (or --cpu for a smoke run)", flush=True)
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.probe_layouts:
+        text = "\n".join(probe_layouts()) + "\n"
+        (args.out / "scaled_mm_layouts.md").write_text(text)
+        print(text, flush=True)
+        return 0
     meta = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
             "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -160,7 +199,7 @@ def main(argv=None) -> int:
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
         base = None
-        for label, rec in cases().items():
+        for label, rec in cases(not args.no_eager).items():
             try:
                 f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps)
             except Exception as err:  # noqa: BLE001 - report whatever the layer raised
@@ -194,6 +233,7 @@ def main(argv=None) -> int:
             gl.append(f"| {row['shape']} | {label} | {ms:.3f} | {tf:.0f} | {100 * tf / peak:.0f}% of {peak:.0f} | "
                       f"{row['bf16 matmul'] / ms:.2f}x |")
     results["scaled_mm_status"] = {k: (v if v is True else str(v)) for k, v in scaled_mm_status().items()}
+    results["compiled_status"] = {k: (v if v is True else str(v)) for k, v in compiled_status().items()}
     text = "\n".join(lines) + "\n\n" + "\n".join(gl) + "\n"
     (args.out / "bench_quantlinear.md").write_text(text)
     (args.out / "bench_quantlinear.json").write_text(json.dumps(results, indent=1))

@@ -447,6 +447,7 @@ def test_autocast_dtype_is_honoured():
     (MXFP4Recipe, "scale_rounding", "nearest"),
     (MXFP4Recipe, "seed", 1.5),
     (FP8BlockwiseRecipe, "backend", "cutlass"),
+    (MXFP4Recipe, "quantizer", "inductor"),
 ])
 def test_bad_recipe_field_raises_naming_it(make, field, value):
     with pytest.raises(ValueError, match=rf"{make.__name__}\.{field}"):
@@ -503,6 +504,45 @@ def _cublas_like_scaled_mm(a, b, scale_a, scale_b, out_dtype):
     return torch.matmul(xa, xb.t()).to(out_dtype)
 
 
+@pytest.mark.parametrize("m, n", [(200, 328), (72, 136), (256, 384)])
+@pytest.mark.parametrize("k_blocks", [4, 5, 6, 7])
+def test_fp8_blockwise_scaled_mm_pads_unaligned_operands(monkeypatch, m, n, k_blocks):
+    """Against the stand-in for cuBLAS: every K/128 % 4 and row counts that are not multiples of
+    128 give dequantize-then-matmul (to the BF16 output rounding), in both scale layouts."""
+    from moe_fp4.recipes import fp8_blockwise_scaled_mm
+
+    monkeypatch.setattr(torch, "_scaled_mm", _cublas_like_scaled_mm)
+    k = 128 * k_blocks
+    a, b = spread(m, k), spread(-(-n // 128) * 128, k)
+    da, sa = S.quantize_fp8_blockwise(a, block=(1, 128))
+    ref_a = S.dequantize_fp8_blockwise(da, sa, block=(1, 128))
+    for block in ((1, 128), (128, 128)):
+        db, sb = S.quantize_fp8_blockwise(b, block=block)
+        ref = mm(ref_a, S.dequantize_fp8_blockwise(db, sb, block=block)[:n].t())
+        out = fp8_blockwise_scaled_mm(da, sa, (1, 128), db[:n], sb if block == (128, 128) else sb[:n], block)
+        assert out.shape == (m, n) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), ref, rtol=2.0 ** -8, atol=1e-6 * float(ref.abs().max()))
+
+
+def test_fp8_blockwise_scaled_mm_bad_arguments_raise():
+    from moe_fp4.recipes import fp8_blockwise_scaled_mm
+
+    a, sa = S.quantize_fp8_blockwise(spread(64, 256), block=(1, 128))
+    b, sb = S.quantize_fp8_blockwise(spread(128, 256), block=(128, 128))
+    with pytest.raises(ValueError, match="block_a"):
+        fp8_blockwise_scaled_mm(a, sa, (128, 128), b, sb, (128, 128))
+    with pytest.raises(ValueError, match="block_b"):
+        fp8_blockwise_scaled_mm(a, sa, (1, 128), b, sb, (1, 32))
+    with pytest.raises(ValueError, match="scales_b"):
+        fp8_blockwise_scaled_mm(a, sa, (1, 128), b, sb, (1, 128))
+    with pytest.raises(ValueError, match="data_a"):
+        fp8_blockwise_scaled_mm(a.float(), sa, (1, 128), b, sb, (128, 128))
+    with pytest.raises(ValueError, match="scales_a"):
+        fp8_blockwise_scaled_mm(a, sa[:, :1], (1, 128), b, sb, (128, 128))
+    with pytest.raises(ValueError, match="data_b"):
+        fp8_blockwise_scaled_mm(a, sa, (1, 128), b[:, :128], sb[:, :1], (128, 128))
+
+
 @pytest.mark.parametrize("length", [256, 640, 1024])
 def test_blockwise_scaled_mm_layouts_and_first_use_check(monkeypatch, length):
     from moe_fp4.recipes import recipes as R
@@ -528,3 +568,77 @@ def test_blockwise_scaled_mm_layouts_and_first_use_check(monkeypatch, length):
     assert R._try_scaled_mm_nt(a, b, "fprop", strict=False) is None  # remembered: emulation from now on
     with pytest.raises(RuntimeError, match="wrong product"):
         R._try_scaled_mm_nt(a, b, "fprop", strict=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# compiled quantizers: the dispatch and its first-use check (the compiled code itself runs on GPUs,
+# tests/test_recipes_gpu.py; compiling on this CPU would take minutes)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_quantizer_choice_follows_the_device():
+    from moe_fp4.recipes.compiled import use_compiled
+
+    assert use_compiled("auto", torch.device("cuda")) and not use_compiled("auto", torch.device("cpu"))
+    assert use_compiled("compiled", torch.device("cpu")) and not use_compiled("eager", torch.device("cuda"))
+    assert MXFP8Recipe().quantizer == "auto"
+
+
+def _fake_compiled(monkeypatch, fake):
+    import moe_fp4.recipes.compiled as C
+
+    C.reset_compiled_state()
+    monkeypatch.setattr(C, "_compiled", lambda fn: (lambda *a: fake(fn, *a)))
+    return C
+
+
+def test_compiled_quantizer_runs_after_its_first_use_matches(monkeypatch):
+    calls = []
+
+    def fake(fn, *a):  # a faithful "compiled" function that counts its calls
+        calls.append(fn.__name__)
+        return fn(*a)
+
+    C = _fake_compiled(monkeypatch, fake)
+    r = NVFP4Recipe(quantizer="compiled")
+    g = spread(64, 96)
+    gen_a, gen_b = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    first, _ = r.quantize_rows(g, role="grad", gemm="dgrad", generator=gen_a)
+    second, _ = r.quantize_rows(g, role="grad", gemm="dgrad", generator=gen_a)
+    want1, _ = NVFP4Recipe(quantizer="eager").quantize_rows(g, role="grad", gemm="dgrad", generator=gen_b)
+    want2, _ = NVFP4Recipe(quantizer="eager").quantize_rows(g, role="grad", gemm="dgrad", generator=gen_b)
+    assert_bitwise_equal(first, want1, "first use")
+    assert_bitwise_equal(second, want2, "second use: the generator moved on as in the eager spec")
+    assert torch.equal(gen_a.get_state(), gen_b.get_state())
+    assert calls == ["qdq_nvfp4", "qdq_nvfp4"]
+    assert list(C.compiled_status().values()) == [True]
+    r.quantize_rows(spread(32, 96), role="grad", gemm="dgrad", generator=gen_a)  # a new shape is checked again
+    assert len(C._CHECKED) == 2
+
+
+@pytest.mark.parametrize("failure", ["wrong bits", "raises", "extra random bits"])
+def test_compiled_quantizer_falls_back_to_the_eager_spec(monkeypatch, failure):
+    def fake(fn, t, gen, *a):
+        if failure == "raises":
+            if gen is not None:
+                torch.randint(0, 2, (5,), generator=gen)  # draws, then fails: the state is restored
+            raise RuntimeError("inductor failed")
+        if failure == "extra random bits":
+            torch.randint(0, 2, (5,), generator=gen)
+        out, s = fn(t, gen, *a)
+        return (out * 2 if failure == "wrong bits" else out), s
+
+    C = _fake_compiled(monkeypatch, fake)
+    r = MXFP4Recipe(quantizer="compiled")
+    g = spread(32, 64)
+    gen_a, gen_b = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
+    with pytest.warns(UserWarning, match="eager spec runs instead"):
+        got, _ = r.quantize_rows(g, role="grad", gemm="dgrad", generator=gen_a)
+    want, _ = MXFP4Recipe(quantizer="eager").quantize_rows(g, role="grad", gemm="dgrad", generator=gen_b)
+    assert_bitwise_equal(got, want, failure)
+    assert torch.equal(gen_a.get_state(), gen_b.get_state())
+    (reason,) = C.compiled_status().values()
+    assert isinstance(reason, str) and reason
+    again, _ = r.quantize_rows(g, role="grad", gemm="dgrad", generator=gen_a)  # eager from now on, no warning
+    want, _ = MXFP4Recipe(quantizer="eager").quantize_rows(g, role="grad", gemm="dgrad", generator=gen_b)
+    assert_bitwise_equal(again, want, failure + " (second call)")

@@ -4,6 +4,7 @@
   hadamard      the 16x16 random Hadamard transform (one fixed seed) of the wgrad inputs
   quant_linear  QuantLinear (drop-in nn.Linear) and its autograd Function
   autocast      ``moe_fp4.autocast(recipe)``, ``convert_linears``, ``set_recipe``
+  compiled      the operand quantizers (the spec's quantize -> dequantize), compiled on CUDA
 """
 
 from moe_fp4.recipes.autocast import (
@@ -15,6 +16,7 @@ from moe_fp4.recipes.autocast import (
     find_blocks,
     set_recipe,
 )
+from moe_fp4.recipes.compiled import QUANTIZERS, compiled_status
 from moe_fp4.recipes.hadamard import RHT_SEED, RHT_SIZE, apply_rht, hadamard_matrix, random_hadamard_matrix
 from moe_fp4.recipes.quant_linear import QuantLinear, QuantLinearFunction
 from moe_fp4.recipes.recipes import (
@@ -30,9 +32,9 @@ from moe_fp4.recipes.recipes import (
 )
 
 __all__ = [
-    "DEFAULT_HIGH_PRECISION", "GEMM_ROLES", "RECIPES", "RHT_SEED", "RHT_SIZE",
+    "DEFAULT_HIGH_PRECISION", "GEMM_ROLES", "QUANTIZERS", "RECIPES", "RHT_SEED", "RHT_SIZE",
     "ConvertReport", "FP8BlockwiseRecipe", "MXFP4Recipe", "MXFP8Recipe", "NVFP4Recipe", "QuantLinear",
     "QuantLinearFunction", "Recipe",
-    "apply_rht", "autocast", "convert_linears", "current_recipe", "find_blocks", "fp8_blockwise_scaled_mm",
-    "hadamard_matrix", "random_hadamard_matrix", "scaled_mm_status", "set_recipe",
+    "apply_rht", "autocast", "compiled_status", "convert_linears", "current_recipe", "find_blocks",
+    "fp8_blockwise_scaled_mm", "hadamard_matrix", "random_hadamard_matrix", "scaled_mm_status", "set_recipe",
 ]

@@ -32,6 +32,11 @@ Fields shared by every recipe (keyword-only):
   bf16_last_blocks  how many of the model's last blocks ``convert_linears`` keeps in BF16 when no
                     explicit ``keep_bf16`` is given.
   seed              seed of the stochastic-rounding generators (layer i uses seed + i).
+  quantizer         "auto" (default): the operand quantizers (the spec's quantize -> dequantize)
+                    run compiled by ``torch.compile`` for CUDA tensors and eagerly elsewhere;
+                    "compiled": compiled on every device; "eager": never compiled. Compiled and
+                    eager give the same bits (``moe_fp4.recipes.compiled`` checks each operand
+                    kind's first use and falls back to the eager spec otherwise).
 """
 
 from __future__ import annotations
@@ -41,15 +46,15 @@ from typing import ClassVar
 
 import torch
 
-from moe_fp4.formats import (
-    dequantize_fp8_blockwise,
-    dequantize_mxfp4,
-    dequantize_mxfp8,
-    dequantize_nvfp4,
-    quantize_fp8_blockwise,
-    quantize_mxfp4,
-    quantize_mxfp8,
-    quantize_nvfp4,
+from moe_fp4.formats import dequantize_fp8_blockwise
+from moe_fp4.recipes.compiled import (
+    QUANTIZERS,
+    q_fp8_blockwise,
+    qdq_fp8_blockwise,
+    qdq_mxfp4,
+    qdq_mxfp8,
+    qdq_nvfp4,
+    run_quantizer,
 )
 from moe_fp4.recipes.hadamard import apply_rht
 
@@ -89,6 +94,7 @@ class Recipe:
     bf16_forward: bool = False
     bf16_last_blocks: int = 0
     seed: int = 0
+    quantizer: str = "auto"
 
     # Elements per scale block along the reduction axis; the reduction dimensions of every GEMM
     # (in_features, out_features, tokens) are multiples of it (tokens are zero-padded).
@@ -99,6 +105,7 @@ class Recipe:
         _check_bool(self, "bf16_forward")
         _check_int(self, "bf16_last_blocks")
         _check_int(self, "seed")
+        _check_choice(self, "quantizer", QUANTIZERS)
 
     @property
     def name(self) -> str:
@@ -124,6 +131,14 @@ class Recipe:
         tensor_scale is None; with True a per-tensor FP32 scale (NVFP4) is returned separately
         (float32 0-dim) and left out of the values (None where the format has none).
         """
+        return self.operand(t, role=role, gemm=gemm, generator=generator, split_tensor_scale=split_tensor_scale)
+
+    def operand(
+        self, t: torch.Tensor, *, role: str, gemm: str, generator: torch.Generator | None = None,
+        split_tensor_scale: bool = False, dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``quantize_rows`` with the dequantized values cast to ``dtype`` by the spec's dequantizer
+        (the GEMM's input dtype). t: float32 [R, C]. Returns (``dtype`` [R, C], tensor scale or None)."""
         raise NotImplementedError
 
     def gemm_nt(
@@ -135,8 +150,9 @@ class Recipe:
         Returns ``out_dtype`` [R, C]."""
         role_a, role_b = GEMM_ROLES[gemm]
         split = self.gemm_dtype == "bfloat16"
-        aq, sa = self.quantize_rows(a, role=role_a, gemm=gemm, generator=generator, split_tensor_scale=split)
-        bq, sb = self.quantize_rows(b, role=role_b, gemm=gemm, generator=generator, split_tensor_scale=split)
+        dt = GEMM_DTYPES[self.gemm_dtype]
+        aq, sa = self.operand(a, role=role_a, gemm=gemm, generator=generator, split_tensor_scale=split, dtype=dt)
+        bq, sb = self.operand(b, role=role_b, gemm=gemm, generator=generator, split_tensor_scale=split, dtype=dt)
         return emulated_matmul(aq, sa, bq, sb, self.gemm_dtype, out_dtype)
 
 
@@ -178,10 +194,9 @@ class MXFP8Recipe(Recipe):
         _check_choice(self, "grad_fmt", ("e4m3", "e5m2"))
         _check_choice(self, "scale_rounding", ("up", "down"))
 
-    def quantize_rows(self, t, *, role, gemm, generator=None, split_tensor_scale=False):
+    def operand(self, t, *, role, gemm, generator=None, split_tensor_scale=False, dtype=torch.float32):
         fmt = self.grad_fmt if role == "grad" else self.fmt
-        data, scales = quantize_mxfp8(t, fmt=fmt, scale_rounding=self.scale_rounding, axis=-1)
-        return dequantize_mxfp8(data, scales, axis=-1), None
+        return run_quantizer(self.quantizer, qdq_mxfp8, t, None, fmt, self.scale_rounding, dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -229,13 +244,11 @@ class NVFP4Recipe(Recipe):
     def uses_generator(self) -> bool:
         return self.stochastic_rounding
 
-    def quantize_rows(self, t, *, role, gemm, generator=None, split_tensor_scale=False):
+    def operand(self, t, *, role, gemm, generator=None, split_tensor_scale=False, dtype=torch.float32):
         t, rounding = _fp4_operand(self, t, role, gemm)
         block_2d = role == "weight" and self.weight_2d
-        packed, scales, gs = quantize_nvfp4(t, block_2d=block_2d, rounding=rounding, generator=generator)
-        if split_tensor_scale:
-            return dequantize_nvfp4(packed, scales, torch.ones((), device=t.device)), gs
-        return dequantize_nvfp4(packed, scales, gs), None
+        gen = generator if rounding == "stochastic" else None
+        return run_quantizer(self.quantizer, qdq_nvfp4, t, gen, block_2d, rounding, split_tensor_scale, dtype)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,11 +277,10 @@ class MXFP4Recipe(Recipe):
     def uses_generator(self) -> bool:
         return self.stochastic_rounding
 
-    def quantize_rows(self, t, *, role, gemm, generator=None, split_tensor_scale=False):
+    def operand(self, t, *, role, gemm, generator=None, split_tensor_scale=False, dtype=torch.float32):
         t, rounding = _fp4_operand(self, t, role, gemm)
-        packed, scales = quantize_mxfp4(t, scale_rounding=self.scale_rounding, rounding=rounding,
-                                        generator=generator)
-        return dequantize_mxfp4(packed, scales), None
+        gen = generator if rounding == "stochastic" else None
+        return run_quantizer(self.quantizer, qdq_mxfp4, t, gen, self.scale_rounding, rounding, dtype)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -306,10 +318,8 @@ class FP8BlockwiseRecipe(Recipe):
     def operand_block(role: str) -> tuple[int, int]:
         return (FP8_BLOCK, FP8_BLOCK) if role == "weight" else (1, FP8_BLOCK)
 
-    def quantize_rows(self, t, *, role, gemm, generator=None, split_tensor_scale=False):
-        block = self.operand_block(role)
-        data, scales = quantize_fp8_blockwise(t, block=block)
-        return dequantize_fp8_blockwise(data, scales, block=block), None
+    def operand(self, t, *, role, gemm, generator=None, split_tensor_scale=False, dtype=torch.float32):
+        return run_quantizer(self.quantizer, qdq_fp8_blockwise, t, None, self.operand_block(role), dtype)
 
     def uses_scaled_mm(self, device: torch.device) -> bool:
         if self.backend == "emulate" or device.type != "cuda":
@@ -322,7 +332,7 @@ class FP8BlockwiseRecipe(Recipe):
 
     def gemm_nt(self, a, b, *, gemm, generator=None, out_dtype=torch.float32):
         if self.uses_scaled_mm(a.device):
-            out = _try_scaled_mm_nt(a, b, gemm, strict=self.backend == "scaled_mm")
+            out = _try_scaled_mm_nt(a, b, gemm, strict=self.backend == "scaled_mm", quantizer=self.quantizer)
             if out is not None:
                 return out.to(out_dtype)
         return super().gemm_nt(a, b, gemm=gemm, generator=generator, out_dtype=out_dtype)
@@ -345,55 +355,90 @@ def _layout_key(block_a, block_b, l_blocks: int) -> str:
     return f"{pair} kb%4{'==' if l_blocks % 4 == 0 else '!='}0"
 
 
+def _check_fp8_operand(data, scales, block, name: str) -> int:
+    """ValueError unless ``data`` [rows, L] e4m3 and ``scales`` fit ``block``; returns rows."""
+    if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn or data.dim() != 2:
+        raise ValueError(f"data_{name}: expected a 2-D torch.float8_e4m3fn tensor, got "
+                         f"{getattr(data, 'dtype', type(data).__name__)} {tuple(getattr(data, 'shape', ()))}")
+    rows, length = data.shape
+    if length % FP8_BLOCK:
+        raise ValueError(f"data_{name}: last dimension ({length}) must be a multiple of {FP8_BLOCK}")
+    want = (rows, length // FP8_BLOCK) if block == (1, FP8_BLOCK) else (-(-rows // FP8_BLOCK), length // FP8_BLOCK)
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != want:
+        raise ValueError(f"scales_{name}: expected float32 {want} for block {block}, got "
+                         f"{getattr(scales, 'dtype', type(scales).__name__)} {tuple(getattr(scales, 'shape', ()))}")
+    if scales.device != data.device:
+        raise ValueError(f"scales_{name}: expected device {data.device}, got {scales.device}")
+    return rows
+
+
+def _pad_fp8(data: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Zero-pad e4m3 ``data`` [R, L] by ``rows`` rows and ``cols`` columns (through its bytes)."""
+    if not rows and not cols:
+        return data
+    return torch.nn.functional.pad(data.view(torch.uint8), (0, cols, 0, rows)).view(data.dtype)
+
+
 def fp8_blockwise_scaled_mm(
     data_a: torch.Tensor, scales_a: torch.Tensor, block_a, data_b: torch.Tensor, scales_b: torch.Tensor,
     block_b, out_dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Real FP8 GEMM ``A @ B^T`` on blockwise-quantized operands through ``torch._scaled_mm``.
 
-    data_a float8_e4m3fn [R, L] with scales_a float32 [R, L/128] (block (1,128)); data_b
-    float8_e4m3fn [C, L] with scales_b float32 [C, L/128] (block (1,128)) or [C/128, L/128] (block
-    (128,128)). R, C and L multiples of 128. Returns ``out_dtype`` [R, C] (cuBLAS computes bfloat16
-    for blockwise scaling).
+    data_a float8_e4m3fn [R, L] with scales_a float32 [R, L/128] (block_a (1, 128)); data_b
+    float8_e4m3fn [C, L] with scales_b float32 [C, L/128] (block_b (1, 128)) or [ceil(C/128), L/128]
+    (block_b (128, 128)). L a multiple of 128; R and C any. Returns ``out_dtype`` [R, C] (cuBLAS
+    computes bfloat16 for blockwise scaling). Raises ValueError for operands that do not fit.
 
-    Scale layouts handed to cuBLAS (through torch 2.11's ``_scaled_mm`` on sm_90): A's 1x128 scales
-    outer-dim-major ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's
-    128x128 scales as the transposed view [L/128, C/128] of a contiguous [C/128, L/128] buffer. cuBLAS
-    reads those 128x128 scales with a leading dimension rounded up to 4 blocks (an H200 gave wrong
-    products whenever L/128 was not a multiple of 4) and torch 2.11 accepts no padded view, so for
-    128x128 scaling the reduction dimension itself is zero-padded to a multiple of 4 blocks (zero data
-    adds nothing to the product; the padded scales are 1).
+    What cuBLAS is handed (torch 2.11's ``_scaled_mm`` on sm_90): A's 1x128 scales outer-dim-major
+    ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's 128x128 scales
+    as the transposed view [L/128, C/128] of a contiguous [C/128, L/128] buffer. Padding, all with
+    zero data (which adds nothing to the product) and unit scales:
+      * the reduction dimension to a multiple of 4 blocks of 128: cuBLAS reads the 128x128 scales
+        with a leading dimension rounded up to 4 blocks (an H200 gave wrong products for L/128 % 4
+        != 0) and torch 2.11 accepts no padded scale view; the 1x128 x 1x128 layout is padded the
+        same way, so that every call is of the one layout measured right;
+      * R and C to multiples of 128, so that both operands are whole 128-row blocks.
     """
     if tuple(block_a) != (1, FP8_BLOCK):
         raise ValueError(f"block_a: expected (1, {FP8_BLOCK}), got {block_a!r}")
-    if tuple(block_b) != (1, FP8_BLOCK):
-        l_blocks = scales_b.shape[1]
-        extra = -l_blocks % 4
-        if extra:
-            zeros = torch.nn.functional.pad
-            data_a = zeros(data_a.view(torch.uint8), (0, extra * FP8_BLOCK)).view(data_a.dtype)
-            data_b = zeros(data_b.view(torch.uint8), (0, extra * FP8_BLOCK)).view(data_b.dtype)
-            scales_a = zeros(scales_a, (0, extra), value=1.0)
-            scales_b = zeros(scales_b, (0, extra), value=1.0)
+    block_b = tuple(block_b)
+    if block_b not in ((1, FP8_BLOCK), (FP8_BLOCK, FP8_BLOCK)):
+        raise ValueError(f"block_b: expected (1, {FP8_BLOCK}) or ({FP8_BLOCK}, {FP8_BLOCK}), got {block_b!r}")
+    rows_a = _check_fp8_operand(data_a, scales_a, (1, FP8_BLOCK), "a")
+    rows_b = _check_fp8_operand(data_b, scales_b, block_b, "b")
+    if data_b.shape[1] != data_a.shape[1] or data_b.device != data_a.device:
+        raise ValueError(f"data_b: expected reduction dimension {data_a.shape[1]} on {data_a.device}, got "
+                         f"shape {tuple(data_b.shape)} on {data_b.device}")
+    pad = torch.nn.functional.pad
+    extra_k = -scales_a.shape[1] % 4
+    pad_a, pad_b = -rows_a % FP8_BLOCK, -rows_b % FP8_BLOCK
+    data_a = _pad_fp8(data_a, pad_a, extra_k * FP8_BLOCK)
+    data_b = _pad_fp8(data_b, pad_b, extra_k * FP8_BLOCK)
+    if pad_a or extra_k:
+        scales_a = pad(scales_a, (0, extra_k, 0, pad_a), value=1.0)
+    if block_b == (1, FP8_BLOCK) and (pad_b or extra_k):
+        scales_b = pad(scales_b, (0, extra_k, 0, pad_b), value=1.0)
+    elif extra_k:
+        scales_b = pad(scales_b, (0, extra_k), value=1.0)
     sa = scales_a.t().contiguous().t()
-    sb = scales_b.t().contiguous() if tuple(block_b) == (1, FP8_BLOCK) else scales_b.contiguous().t()
+    sb = scales_b.t().contiguous() if block_b == (1, FP8_BLOCK) else scales_b.contiguous().t()
     out = torch._scaled_mm(data_a, data_b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+    if pad_a or pad_b:
+        out = out[:rows_a, :rows_b]
     return out.to(out_dtype)
 
 
-def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool) -> torch.Tensor | None:
+def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool,
+                      quantizer: str = "auto") -> torch.Tensor | None:
     role_a, role_b = GEMM_ROLES[gemm]
     block_a, block_b = FP8BlockwiseRecipe.operand_block(role_a), FP8BlockwiseRecipe.operand_block(role_b)
     key = _layout_key(block_a, block_b, a.shape[1] // FP8_BLOCK)
     state = _SCALED_MM_STATE.get(key)
     if isinstance(state, str) and not strict:
         return None
-    rows = a.shape[0]
-    pad = -rows % FP8_BLOCK  # cuBLAS wants the row count aligned; zero rows quantize to zeros
-    if pad:
-        a = torch.nn.functional.pad(a, (0, 0, 0, pad))
-    da, sa = quantize_fp8_blockwise(a, block=block_a)
-    db, sb = quantize_fp8_blockwise(b, block=block_b)
+    da, sa = run_quantizer(quantizer, q_fp8_blockwise, a, None, block_a)
+    db, sb = run_quantizer(quantizer, q_fp8_blockwise, b, None, block_b)
     try:
         out = fp8_blockwise_scaled_mm(da, sa, block_a, db, sb, block_b)
         if state is not True:
@@ -414,7 +459,7 @@ def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool)
                       f"FP8BlockwiseRecipe emulates {gemm}", stacklevel=3)
         return None
     _SCALED_MM_STATE[key] = True
-    return out[:rows] if pad else out
+    return out
 
 
 RECIPES = (MXFP8Recipe, NVFP4Recipe, MXFP4Recipe, FP8BlockwiseRecipe)
