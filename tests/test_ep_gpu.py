@@ -23,7 +23,7 @@ from test_ep_dist import (
     make_world,
     spec_rows,
 )
-from test_ep_local import mxfp4_rows_with_specials, spec_fp8_of_rows
+from test_ep_local import check_fused_conversion, spec_fp8_of_rows
 
 from moe_fp4.ep import Buffer
 
@@ -229,16 +229,12 @@ def test_symm_sync_budget(pool):
 
 
 @pytest.mark.parametrize("hidden", [7168, 128, 2048])
-def test_fused_gather_conversion_matches_spec_gpu(hidden):
+def test_fused_conversion_matches_spec_gpu(hidden):
+    """Triton gather and scatter (expansion) conversions against the spec, on the GPU."""
     from moe_fp4.ep import _triton_rows
 
-    g = torch.Generator().manual_seed(fresh_seed())
-    rows = mxfp4_rows_with_specials(257, hidden, g).cuda()
-    index = torch.randint(0, 257, (1000,), generator=g).cuda()
-    data, scales = _triton_rows.mxfp4_rows_to_fp8_gather(rows, hidden, index)
-    want_d, want_s = spec_fp8_of_rows(rows, hidden, index)
-    assert_bitwise_equal(data, want_d, f"fp8 data, hidden {hidden}")
-    assert_bitwise_equal(scales, want_s, f"fp32 scales, hidden {hidden}")
+    rows, index = check_fused_conversion(_triton_rows, hidden, "cuda", n=257, k=8)
+    want_d, _ = spec_fp8_of_rows(rows, hidden, index)
     # a strided view of wider rows (the row stride is a kernel argument)
     wide = torch.zeros(257, rows.shape[1] + 64, dtype=torch.uint8, device="cuda")
     wide[:, :rows.shape[1]] = rows

@@ -307,17 +307,36 @@ def check_fused_gather_conversion():
         _check_fused_gather_conversion(tr, hidden)
 
 
-def _check_fused_gather_conversion(tr, hidden):
+def check_fused_conversion(tr, hidden, device="cpu", n=24, k=3):
+    """The Triton gather and scatter conversions of MXFP4 rows with special values (on ``device``)
+    against the spec's conversion of the same rows."""
     g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
-    rows = mxfp4_rows_with_specials(24, hidden, g)
-    index = torch.randint(0, 24, (37,), generator=g)
+    rows = mxfp4_rows_with_specials(n, hidden, g).to(device)
+    index = torch.randint(0, n, (n + n // 2,), generator=g).to(device)
     data, scales = tr.mxfp4_rows_to_fp8_gather(rows, hidden, index)
     want_d, want_s = spec_fp8_of_rows(rows, hidden, index)
     assert_bitwise_equal(data, want_d, "fp8 data")
     assert_bitwise_equal(scales, want_s, "fp32 scales")
-    # through the payload: gather_fp8_blockwise takes the fused kernel
-    got_d, got_s = get_payload("mxfp4").gather_fp8_blockwise(rows, hidden, index)
+    # scatter form: each row converted once, written to its output rows (a random map)
+    n_out = (n * k * 2) // 3
+    slot = torch.full((n * k,), -1, dtype=torch.int64)
+    used = torch.randperm(n * k, generator=g)[:n_out]
+    slot[used] = torch.arange(n_out)
+    slot = slot.reshape(n, k)
+    token_of_row = torch.empty(n_out, dtype=torch.int64)
+    token_of_row[slot[slot >= 0]] = torch.arange(n).unsqueeze(1).expand(n, k)[slot >= 0]
+    slot, token_of_row = slot.to(device), token_of_row.to(device)
+    want_d, want_s = spec_fp8_of_rows(rows, hidden, token_of_row)
+    got_d, got_s = tr.mxfp4_rows_to_fp8_scatter(rows, hidden, slot, n_out)
+    assert_bitwise_equal(got_d, want_d, "scattered fp8 data")
+    assert_bitwise_equal(got_s, want_s, "scattered fp32 scales")
+    got_d, got_s = get_payload("mxfp4").expand_fp8_blockwise(rows, hidden, slot, n_out, token_of_row)
     assert_bitwise_equal(got_d, want_d, "payload fp8 data")
+    return rows, index
+
+
+def _check_fused_gather_conversion(tr, hidden):
+    rows, index = check_fused_conversion(tr, hidden)
     for bad, what in (((rows[:, 1:], hidden, index), "rows"), ((rows, hidden, index.to(torch.int32)), "index")):
         with pytest.raises(ValueError, match=what):
             tr.mxfp4_rows_to_fp8_gather(*bad)

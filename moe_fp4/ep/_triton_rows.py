@@ -50,49 +50,56 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _e4m3_of_e2m1(c, d):
-        """c int32 E2M1 codes (0..15), d int32 >= 0 scale differences -> int32 E4M3 bytes."""
-        m = c & 7
-        sign = (c >> 3) & 1
-        odd = (m & 1) == 1
-        big = m >= 2
-        q3 = odd & big
-        t = tl.where(big, tl.where(odd, (m >> 1) - 1, m >> 1), 0)
-        x = t + 5 - d
-        # q = 1: 2^x
-        n1 = (x + 7) << 3
-        s1 = tl.where(x >= -9, 1 << tl.minimum(tl.maximum(x + 9, 0), 2), 0)
-        one = tl.where(x >= -6, n1, s1)
-        # q = 3: 1.5 * 2^(x + 1)
-        n3 = ((x + 8) << 3) | 4
-        s3 = tl.where(x == -8, 6, tl.where(x == -9, 3, tl.where(x == -10, 2, tl.where(x == -11, 1, 0))))
-        three = tl.where(x >= -7, n3, s3)
-        mag = tl.where(m == 0, 0, tl.where(q3, three, one))
-        return (sign << 7) | mag
-
-    @triton.jit
-    def _mxfp4_to_fp8_gather_kernel(rows_ptr, index_ptr, data_ptr, scales_ptr, row_stride, n_groups,
-                                    HALF: tl.constexpr, GROUPS: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        g0 = tl.program_id(1) * GROUPS
-        src = tl.load(index_ptr + i)
-        g = g0 + tl.arange(0, GROUPS)  # [G] groups of 128 elements
-        b = tl.arange(0, 64)  # [64] packed bytes of a group
+    def _convert_groups(row, g, n_groups, lut_ptr, HALF: tl.constexpr):
+        """MXFP4 byte row ``row`` (pointer), groups g [G] of 128 elements -> (E4M3 byte pairs int16
+        [G, 4, 16] (element 2j in the low byte), FP32 scale bits int32 [G], pair offsets and masks)."""
+        blk = tl.arange(0, 4)
+        j = tl.arange(0, 16)
         gmask = g < n_groups
-        mask = gmask[:, None] & (b[None, :] >= 0)
-        row = rows_ptr + src * row_stride
-        packed = tl.load(row + g[:, None] * 64 + b[None, :], mask=mask, other=0).to(tl.int32)
-        e = tl.load(row + HALF + g[:, None] * 4 + b[None, :] // 16, mask=mask, other=0).to(tl.int32)
-        emax = tl.max(e, axis=1)  # [G]
-        d = emax[:, None] - e
-        lo = _e4m3_of_e2m1(packed & 15, d)
-        hi = _e4m3_of_e2m1(packed >> 4, d)
+        off3 = g[:, None, None] * 64 + blk[None, :, None] * 16 + j[None, None, :]  # packed byte of (group, block, j)
+        mask3 = gmask[:, None, None] & (off3 >= 0)
+        p = tl.load(row + off3, mask=mask3, other=0).to(tl.int32)
+        e = tl.load(row + HALF + g[:, None] * 4 + blk[None, :], mask=gmask[:, None] & (blk[None, :] >= 0),
+                    other=0).to(tl.int32)
+        emax = tl.max(e, axis=1)
+        d = tl.minimum(emax[:, None] - e, 19)  # _LUT_ROWS - 1
+        lo_tab = tl.load(lut_ptr + d * 2)[:, :, None]  # E4M3 magnitudes of E2M1 magnitudes 0..3 at shift d
+        hi_tab = tl.load(lut_ptr + d * 2 + 1)[:, :, None]  # ... of 4..7
+        c0 = p & 15
+        c1 = p >> 4
+        m0 = c0 & 7
+        m1 = c1 & 7
+        t0 = tl.where(m0 >= 4, hi_tab, lo_tab)
+        t1 = tl.where(m1 >= 4, hi_tab, lo_tab)
+        b0 = ((t0 >> ((m0 & 3) << 3)) & 255) | ((c0 & 8) << 4)
+        b1 = ((t1 >> ((m1 & 3) << 3)) & 255) | ((c1 & 8) << 4)
         nan = emax == 255
-        pair = tl.where(nan[:, None], 0, lo | (hi << 8))  # element 2j in the low byte
-        tl.store(data_ptr + i * HALF + g[:, None] * 64 + b[None, :], pair.to(tl.int16), mask=mask)
+        pair = tl.where(nan[:, None, None], 0, b0 | (b1 << 8)).to(tl.int16)
         bits = tl.where(emax >= 7, (emax - 6) << 23, 1 << tl.minimum(emax + 16, 22))
         bits = tl.where(nan, 0x7FC00000, bits)
+        return pair, bits, off3, mask3, gmask
+
+    @triton.jit
+    def _mxfp4_to_fp8_gather_kernel(rows_ptr, index_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups,
+                                    HALF: tl.constexpr, GROUPS: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        src = tl.load(index_ptr + i)
+        pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + src * row_stride, g, n_groups, lut_ptr, HALF)
+        tl.store(data_ptr + i * HALF + off3, pair, mask=mask3)
         tl.store(scales_ptr + i * n_groups + g, bits, mask=gmask)
+
+    @triton.jit
+    def _mxfp4_to_fp8_scatter_kernel(rows_ptr, slot_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups,
+                                     HALF: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+        pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + t * row_stride, g, n_groups, lut_ptr, HALF)
+        for j in tl.static_range(K):  # converted once, written to each of the token's output rows
+            r = tl.load(slot_ptr + t * K + j)
+            if r >= 0:
+                tl.store(data_ptr + r * HALF + off3, pair, mask=mask3)
+                tl.store(scales_ptr + r * n_groups + g, bits, mask=gmask)
 
     @triton.jit
     def _copy_rows_kernel(out_ptr, index_ptr, rank_ptr, bases_ptr, chunk_ptr, chunk, words,
@@ -110,28 +117,78 @@ if triton is not None:
         tl.store(out_ptr + i * words + cols, v, mask=mask)
 
 
-def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows uint8 [n, H/2 + H/32] (``formats.pack_mxfp4_rows`` layout, last dimension contiguous),
-    hidden H (a multiple of 128), index int64 [N] rows to convert -> (float8_e4m3fn [N, H],
-    float32 [N, H/128]), bit for bit ``formats.mxfp4_to_fp8_blockwise`` of ``rows[index]``."""
+_LUT_ROWS = 20  # scale differences 0..19; from 19 on every E2M1 value rounds to zero in E4M3
+_LUTS: dict = {}
+
+
+def shift_table(device) -> torch.Tensor:
+    """int32 [20, 2]: for a scale difference d (row, clamped to 19), the E4M3 magnitude byte of each
+    E2M1 magnitude m (byte m % 4 of word m // 4), computed by the spec: encode_elements(
+    decode_elements(m) * 2^(6 - d), E4M3). Built once per device (a host-to-device copy)."""
+    device = torch.device(device)
+    if device not in _LUTS:
+        d = torch.arange(_LUT_ROWS).repeat_interleave(8)
+        m = torch.arange(8).repeat(_LUT_ROWS)
+        values = formats.decode_elements(m.to(torch.uint8), formats.E2M1) * formats.pow2_float32(
+            formats.FP8_HEADROOM_EXP - d)
+        codes = formats.encode_elements(values, formats.E4M3).to(torch.int64).reshape(_LUT_ROWS, 2, 4)
+        if codes[-1].any():
+            raise RuntimeError("shift_table: the last row must be all zeros")
+        words = (codes << (8 * torch.arange(4))).sum(-1).to(torch.int32)
+        _LUTS[device] = words.to(device)
+    return _LUTS[device]
+
+
+def _check_fp8_rows(rows, hidden):
     if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != formats.mxfp4_row_bytes(hidden):
         raise ValueError(f"rows: expected uint8 [n, {formats.mxfp4_row_bytes(hidden)}], got {rows.dtype} "
                          f"{tuple(rows.shape)}")
     if hidden % formats.FP8_GROUP:
         raise ValueError(f"hidden: expected a multiple of {formats.FP8_GROUP}, got {hidden}")
+    if rows.shape[0] and rows.stride(1) != 1:
+        raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
+
+
+_GROUPS = 8  # 128-element groups per program
+
+
+def mxfp4_rows_to_fp8_scatter(rows: torch.Tensor, hidden: int, slot_table: torch.Tensor,
+                              num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4RowToFP8Row fused with the expansion to expert rows: rows uint8 [n, H/2 + H/32] (one per
+    received token), slot_table int64 [n, K] (the output row of each (token, slot), -1: none; every
+    output row named exactly once) -> (float8_e4m3fn [num_rows, H], float32 [num_rows, H/128]):
+    output row slot_table[t, j] is ``formats.mxfp4_to_fp8_blockwise`` of rows[t], bit for bit. Each
+    token is converted once and written to each of its rows."""
+    _check_fp8_rows(rows, hidden)
+    if slot_table.dtype != torch.int64 or slot_table.dim() != 2 or slot_table.shape[0] != rows.shape[0]:
+        raise ValueError(f"slot_table: expected int64 [{rows.shape[0]}, K], got {slot_table.dtype} "
+                         f"{tuple(slot_table.shape)}")
+    n_groups = hidden // formats.FP8_GROUP
+    data = torch.empty(num_rows, hidden, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(num_rows, n_groups, dtype=torch.int32, device=rows.device)
+    if rows.shape[0] and num_rows:
+        grid = (rows.shape[0], triton.cdiv(n_groups, _GROUPS))
+        _mxfp4_to_fp8_scatter_kernel[grid](rows, slot_table.contiguous(), shift_table(rows.device),
+                                           data.view(torch.int16), scales, rows.stride(0), n_groups,
+                                           HALF=hidden // 2, K=slot_table.shape[1], GROUPS=_GROUPS, num_warps=4)
+    return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
+
+
+def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows uint8 [n, H/2 + H/32] (``formats.pack_mxfp4_rows`` layout, last dimension contiguous),
+    hidden H (a multiple of 128), index int64 [N] rows to convert -> (float8_e4m3fn [N, H],
+    float32 [N, H/128]), bit for bit ``formats.mxfp4_to_fp8_blockwise`` of ``rows[index]``."""
+    _check_fp8_rows(rows, hidden)
     if index.dtype != torch.int64 or index.dim() != 1:
         raise ValueError(f"index: expected int64 [N], got {index.dtype} {tuple(index.shape)}")
     n = index.shape[0]
     n_groups = hidden // formats.FP8_GROUP
     data = torch.empty(n, hidden, dtype=torch.uint8, device=rows.device)
     scales = torch.empty(n, n_groups, dtype=torch.int32, device=rows.device)
-    if n and rows.shape[1] and rows.stride(1) != 1:
-        raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
     if n:
-        groups = 16
-        grid = (n, triton.cdiv(n_groups, groups))
-        _mxfp4_to_fp8_gather_kernel[grid](rows, index, data.view(torch.int16), scales, rows.stride(0), n_groups,
-                                          HALF=hidden // 2, GROUPS=groups, num_warps=4)
+        grid = (n, triton.cdiv(n_groups, _GROUPS))
+        _mxfp4_to_fp8_gather_kernel[grid](rows, index, shift_table(rows.device), data.view(torch.int16), scales,
+                                          rows.stride(0), n_groups, HALF=hidden // 2, GROUPS=_GROUPS, num_warps=4)
     return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
 
 
@@ -156,4 +213,4 @@ def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, ba
     return out
 
 
-__all__ = ["available", "copy_rows", "mxfp4_rows_to_fp8_gather"]
+__all__ = ["available", "copy_rows", "mxfp4_rows_to_fp8_gather", "mxfp4_rows_to_fp8_scatter", "shift_table"]

@@ -165,7 +165,9 @@ class DispatchOutput:
         operand of the expert GEMMs. Each received token is converted once, then gathered to its
         rows (the conversion is row by row, so the bits equal converting ``rows``)."""
         if self.fp8 is None:
-            self.fp8 = self.payload.gather_fp8_blockwise(self.recv_rows, self.hidden, self.handle.expand_row)
+            h = self.handle
+            self.fp8 = self.payload.expand_fp8_blockwise(self.recv_rows, self.hidden, h.slot_table, h.num_rows,
+                                                         h.expand_row)
         return self.fp8
 
 

@@ -124,6 +124,14 @@ class PayloadCodec:
         data, scales = self.to_fp8_blockwise(rows, hidden)
         return gather_rows(data, index), gather_rows(scales, index)
 
+    def expand_fp8_blockwise(self, rows: torch.Tensor, hidden: int, slot_table: torch.Tensor, num_rows: int,
+                             index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The FP8 1x128 expert rows of a dispatch: rows uint8 [n, row_bytes(H)] one per received
+        token; slot_table int64 [n, k], the output row of each (token, slot) (-1: none); index int64
+        [num_rows], the token of each output row (the same map, inverted) -> (float8_e4m3fn
+        [num_rows, H], float32 [num_rows, H/128]). Default: ``gather_fp8_blockwise(rows, hidden, index)``."""
+        return self.gather_fp8_blockwise(rows, hidden, index)
+
     def empty_rows(self, hidden: int, device) -> torch.Tensor:
         return torch.empty(0, self.row_bytes(hidden), dtype=torch.uint8, device=device)
 
@@ -258,13 +266,13 @@ class MXFP4Payload(PayloadCodec):
         data, fp32_scales, _underflow = ops.mxfp4_rows_to_fp8_blockwise(rows, hidden)
         return data, fp32_scales
 
-    def gather_fp8_blockwise(self, rows, hidden, index):
-        """One pass on CUDA (Triton): each output row converted straight from its received row, no
-        per-token FP8 copy to gather from (bit-exact with the spec; see _triton_rows)."""
+    def expand_fp8_blockwise(self, rows, hidden, slot_table, num_rows, index):
+        """One pass on CUDA (Triton): each received token converted once and written to each of its
+        expert rows, no per-token FP8 copy to gather from (bit-exact with the spec; see _triton_rows)."""
         _check_rows(rows, self.row_bytes(hidden), hidden)
         if _triton_rows.available(rows) and hidden % FP8_GROUP == 0 and rows.stride(-1) == 1:
-            return _triton_rows.mxfp4_rows_to_fp8_gather(rows, hidden, index)
-        return super().gather_fp8_blockwise(rows, hidden, index)
+            return _triton_rows.mxfp4_rows_to_fp8_scatter(rows, hidden, slot_table, num_rows)
+        return super().expand_fp8_blockwise(rows, hidden, slot_table, num_rows, index)
 
 
 class NVFP4Payload(PayloadCodec):
