@@ -110,15 +110,36 @@ def _same_outputs(got, ref, what):
     assert_bitwise_equal(got.fp8[1], ref.fp8[1], f"{what}: fp8 scales")
 
 
+class _TritonOff:
+    """MOE_FP4_EP_TRITON=0 inside the block: the torch reference paths (native conversion + gather,
+    combine by torch ops over the spec's decode)."""
+
+    def __enter__(self):
+        import os
+
+        self.old = os.environ.get("MOE_FP4_EP_TRITON")
+        os.environ["MOE_FP4_EP_TRITON"] = "0"
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.old is None:
+            os.environ.pop("MOE_FP4_EP_TRITON", None)
+        else:
+            os.environ["MOE_FP4_EP_TRITON"] = self.old
+
+
 def case_symm_matches_nccl(ctx, seed, payload, chunks, scenario):
     """Dispatch (full and cached) and combine (every wire, weighted or not) over symmetric memory
-    give the NCCL path's bits."""
+    and over NCCL with the Triton kernels give the bits of the torch reference paths."""
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
     nccl = Buffer(n_exp, ctx.group, payload=payload)
     symm = _symm_buffer(ctx, n_exp, payload, chunks)
     assert symm.backend.name == "symm" and symm._direct(x)
-    ref = nccl.dispatch(x, idx, w, return_fp8=True)
+    with _TritonOff():
+        ref = nccl.dispatch(x, idx, w, return_fp8=True)
+    _same_outputs(nccl.dispatch(x, idx, w, return_fp8=True), ref, f"{payload} NCCL dispatch with Triton")
     got = symm.dispatch(x, idx, w, return_fp8=True)
     _same_outputs(got, ref, f"{payload} full dispatch")
     for _ in range(2):  # cached dispatches reuse the staging buffer behind the barriers
@@ -127,9 +148,11 @@ def case_symm_matches_nccl(ctx, seed, payload, chunks, scenario):
     y = torch.randn(ref.handle.num_rows, x.shape[1], generator=g).to(ctx.device, torch.bfloat16)
     for wire in ("bf16", "fp8", "mxfp4"):
         for weighted in (True, False):
-            want = nccl.combine(y, ref.handle, payload=wire, weighted=weighted)
-            have = symm.combine(y, got.handle, payload=wire, weighted=weighted)
-            assert_bitwise_equal(have, want, f"combine over {wire}, weighted={weighted}")
+            with _TritonOff():
+                want = nccl.combine(y, ref.handle, payload=wire, weighted=weighted)
+            what = f"combine over {wire}, weighted={weighted}"
+            assert_bitwise_equal(nccl.combine(y, ref.handle, payload=wire, weighted=weighted), want, f"NCCL {what}")
+            assert_bitwise_equal(symm.combine(y, got.handle, payload=wire, weighted=weighted), want, f"symm {what}")
     return got.handle.num_rows
 
 

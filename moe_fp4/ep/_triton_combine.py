@@ -50,8 +50,8 @@ if triton is not None:
 
 
     @triton.jit
-    def _gather_sum_peers_kernel(bases_ptr, table_ptr, out_ptr, hidden, W: tl.constexpr, BLOCK: tl.constexpr,
-                                 OUT_BF16: tl.constexpr):
+    def _decode_sum_kernel(bases_ptr, table_ptr, e2m1_ptr, out_ptr, hidden, row_bytes, W: tl.constexpr,
+                           WIRE: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
@@ -59,8 +59,24 @@ if triton is not None:
         for r in tl.static_range(W):
             row = tl.load(table_ptr + t * W + r)
             if row >= 0:
-                base = tl.load(bases_ptr + r).to(tl.pointer_type(tl.bfloat16))
-                acc = acc + tl.load(base + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+                base = tl.load(bases_ptr + r).to(tl.pointer_type(tl.uint8)) + row * row_bytes
+                if WIRE == 0:  # bf16 values
+                    v = tl.load(base.to(tl.pointer_type(tl.bfloat16), bitcast=True) + cols, mask=mask,
+                                other=0.0).to(tl.float32)
+                elif WIRE == 1:  # fp8: E4M3 [H], then FP32 scales [H/128]
+                    q = tl.load(base + cols, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                    sc = tl.load((base + hidden).to(tl.pointer_type(tl.float32), bitcast=True) + cols // 128,
+                                 mask=mask, other=0.0)
+                    v = q * sc
+                else:  # mxfp4: packed E2M1 [H/2], then UE8M0 scales [H/32]
+                    byte = tl.load(base + cols // 2, mask=mask, other=0).to(tl.int32)
+                    code = tl.where(cols % 2 == 0, byte & 15, byte >> 4)
+                    val = tl.load(e2m1_ptr + code, mask=mask, other=0.0)
+                    e = tl.load(base + hidden // 2 + cols // 32, mask=mask, other=0).to(tl.int32)
+                    sbits = tl.where(e == 0, 0x00400000, e << 23)  # 2^(e - 127); byte 0 is the subnormal 2^-127
+                    sbits = tl.where(e == 255, 0x7FC00000, sbits)
+                    v = val * sbits.to(tl.float32, bitcast=True)
+                acc = acc + v
         if OUT_BF16:
             tl.store(out_ptr + t * hidden + cols, acc.to(tl.bfloat16, fp_downcast_rounding="rtne"), mask=mask)
         else:
@@ -99,21 +115,44 @@ def gather_sum(src: torch.Tensor, table: torch.Tensor, weights: torch.Tensor | N
     return _launch(src, table, weights, out_dtype, out)
 
 
-def gather_sum_peers(bases: torch.Tensor, table: torch.Tensor, hidden: int) -> torch.Tensor:
-    """bases int64 [W]: each rank's buffer address (bfloat16 rows of ``hidden`` back to back, readable
-    from this GPU); table int64 [T, W]: the row of rank r's buffer for token t, -1: none ->
-    bfloat16 [T, hidden]: sum over r ascending in float32 from +0, rounded to bfloat16 (the
-    arithmetic of gather_sum with the rows spread over the ranks' buffers)."""
+WIRES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
+_E2M1: dict = {}
+
+
+def _e2m1_values(device) -> torch.Tensor:
+    """float32 [16]: the spec's value of each E2M1 code (built once per device)."""
+    if device not in _E2M1:
+        from moe_fp4 import formats
+
+        _E2M1[device] = formats.decode_elements(torch.arange(16, dtype=torch.uint8), formats.E2M1).to(device)
+    return _E2M1[device]
+
+
+def decode_sum(bases: torch.Tensor, table: torch.Tensor, hidden: int, wire: str) -> torch.Tensor:
+    """Combine's last step with the decoding fused in: bases int64 [W], the address of each rank's
+    rows (the same address W times for one receive buffer; peers' buffers over NVLink), table int64
+    [T, W], the row for token t at rank r (-1: none), rows in the ``wire`` payload layout ("bf16",
+    "fp8", "mxfp4"; see payloads.py) -> bfloat16 [T, hidden] = bf16(sum over r ascending, in float32
+    from +0, of the decoded row): the spec's decode (``dequantize_fp8_blockwise``,
+    ``dequantize_mxfp4``: element value times power-of-two scale in float32) then gather_sum."""
     t, w = table.shape
+    width = {"bf16": 2 * hidden, "fp8": hidden + hidden // 32, "mxfp4": hidden // 2 + hidden // 32}[wire]
     bf16_store = _BF16_STORE_OK.get(table.device, False)
     out = torch.empty(t, hidden, dtype=torch.bfloat16 if bf16_store else torch.float32, device=table.device)
     if t == 0 or hidden == 0:
         return out.to(torch.bfloat16)
     block = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     grid = (t, triton.cdiv(hidden, block))
-    _gather_sum_peers_kernel[grid](bases, table.contiguous(), out, hidden, W=w, BLOCK=block, OUT_BF16=bf16_store,
-                                   enable_fp_fusion=False, num_warps=4)
+    _decode_sum_kernel[grid](bases, table.contiguous(), _e2m1_values(table.device), out, hidden, width, W=w,
+                             WIRE=WIRES[wire], BLOCK=block, OUT_BF16=bf16_store, enable_fp_fusion=False,
+                             num_warps=4)
     return out if bf16_store else out.to(torch.bfloat16)
+
+
+def gather_sum_peers(bases: torch.Tensor, table: torch.Tensor, hidden: int) -> torch.Tensor:
+    """decode_sum of bfloat16 rows: bases int64 [W] (each rank's buffer of bfloat16 rows of ``hidden``),
+    table int64 [T, W] -> bfloat16 [T, hidden]."""
+    return decode_sum(bases, table, hidden, "bf16")
 
 
 def _launch(src, table, weights, out_dtype, out=None):
@@ -140,4 +179,4 @@ def _launch(src, table, weights, out_dtype, out=None):
     return out
 
 
-__all__ = ["available", "check_bf16_store", "gather_sum", "gather_sum_peers"]
+__all__ = ["WIRES", "available", "check_bf16_store", "decode_sum", "gather_sum", "gather_sum_peers"]

@@ -31,7 +31,15 @@ import torch
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
 from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order
-from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, gather_rows, get_payload
+from moe_fp4.ep.payloads import (
+    PAYLOAD_IDS,
+    BF16Payload,
+    FP8Payload,
+    MXFP4Payload,
+    PayloadCodec,
+    gather_rows,
+    get_payload,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
@@ -169,6 +177,11 @@ class DispatchOutput:
             self.fp8 = self.payload.expand_fp8_blockwise(self.recv_rows, self.hidden, h.slot_table, h.num_rows,
                                                          h.expand_row)
         return self.fp8
+
+
+def fused_wire(codec: PayloadCodec) -> str | None:
+    """The name of a built-in wire layout the Triton combine decodes inside its sum, or None."""
+    return codec.name if type(codec) in (BF16Payload, FP8Payload, MXFP4Payload) else None
 
 
 def _offsets(counts: list[int]) -> list[int]:
@@ -495,6 +508,9 @@ class Buffer:
         back = torch.empty(sum(handle.send_counts), wire.shape[1], dtype=torch.uint8, device=self.device)
         self.backend.all_to_all(back, wire, handle.send_counts, handle.recv_counts)
         if fused:
+            if fused_wire(codec) is not None:  # decode inside the sum: no float32 copy of the rows
+                bases = torch.full((self.world_size,), back.data_ptr(), dtype=torch.int64, device=self.device)
+                return _triton_combine.decode_sum(bases, handle.rank_table, y.shape[1], fused_wire(codec))
             values = back.view(torch.bfloat16) if bf16_wire else codec.decode(back, y.shape[1])
             return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
         return self._rank_sums(codec.decode(back, y.shape[1]), handle).to(torch.bfloat16)

@@ -198,6 +198,12 @@ def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     return recv
 
 
+def fused_wire(codec):
+    from moe_fp4.ep.buffer import fused_wire as f
+
+    return f(codec)
+
+
 def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weights, codec) -> torch.Tensor:
     """Combine over the staging buffers: y [N, H'] expert outputs -> bfloat16 [T, H'] (the same
     arithmetic and bits as Buffer.combine's all-to-all path)."""
@@ -213,11 +219,12 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     if bf16_wire:
         _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16,
                                    out=staging.view(torch.bfloat16))
-        backend.barrier(1)
-        return _triton_combine.gather_sum_peers(backend.bases, plan["peer_rank_table"], hidden)
-    partial = _triton_combine.gather_sum(y, handle.slot_table, weights, torch.float32)
-    codec.encode_into(partial, staging)
+    else:
+        codec.encode_into(_triton_combine.gather_sum(y, handle.slot_table, weights, torch.float32), staging)
     backend.barrier(1)
+    wire = fused_wire(codec)
+    if wire is not None:  # sum straight out of the peers' buffers, decoding on the way
+        return _triton_combine.decode_sum(backend.bases, plan["peer_rank_table"], hidden, wire)
     back = torch.empty(sum(handle.send_counts), width, dtype=torch.uint8, device=backend.device)
     _triton_rows.copy_rows(back, plan["send_peer_row"], plan["send_rank"], backend.bases)
     values = codec.decode(back, hidden)
