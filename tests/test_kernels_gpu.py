@@ -150,6 +150,26 @@ def test_mxfp4_rows_to_fp8_cols(t, h, gaps):
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs), want, ("data", "scales", "group_offsets"))
 
 
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("t", [4096, 32768])
+def test_mxfp4_rows_to_fp8_cols_quantized_activations(t, ragged):
+    """Inputs quantized from activations (row scales within a few binades, as in training): the
+    kernel's per-column integer path; outlier and all-zero rows push some groups onto its table path."""
+    h = 2048
+    x = torch.randn(t, h, device="cuda") * torch.exp2(torch.randint(-3, 4, (t, 1), device="cuda").float())
+    x[5] *= 2.0**20  # an outlier row: the other rows of its group land below E4M3's normal range
+    x[300] = 0.0  # scale byte 0 rows
+    x[301, :64] = 0.0
+    x[1000, 7] = float("nan")  # a NaN block
+    packed, scales = formats.quantize_mxfp4(x.to(torch.bfloat16))
+    if ragged:
+        lens, offs = _splits(t, 32, False)
+    else:
+        lens, offs = torch.full((32,), t // 32, dtype=torch.int64, device="cuda"), None
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs), want, ("data", "scales", "group_offsets"))
+
+
 def test_mxfp4_rows_to_fp8_cols_edge_splits():
     packed, scales = _mxfp4_input(300, 256)
     for lens, offs in [
@@ -183,6 +203,21 @@ def test_quantize_fp8_blockwise_float32_and_h96_rejected():
         ops.mxfp4_to_fp8_blockwise(packed, scales)
 
 
+@pytest.mark.parametrize("t", (1, 7, 4096))
+@pytest.mark.parametrize("h", HIDDEN)
+def test_dequantize_mxfp4(t, h):
+    packed, scales = _mxfp4_input(t, h)
+    for dtype in (torch.bfloat16, torch.float32):
+        want = formats.dequantize_mxfp4(packed, scales, dtype=dtype)
+        assert_bitwise_equal(ops.dequantize_mxfp4(packed, scales, dtype=dtype), want, f"values {dtype}")
+    # quantized activations, and a 3-D input
+    x = _float_input(t, h, torch.bfloat16)
+    p, s = formats.quantize_mxfp4(x)
+    assert_bitwise_equal(ops.dequantize_mxfp4(p, s), formats.dequantize_mxfp4(p, s, dtype=torch.bfloat16), "bf16")
+    p3, s3 = p.reshape(1, t, h // 2), s.reshape(1, t, h // 32)
+    assert_bitwise_equal(ops.dequantize_mxfp4(p3, s3), formats.dequantize_mxfp4(p3, s3, dtype=torch.bfloat16), "3-D")
+
+
 def test_outputs_on_current_stream():
     x = _float_input(4096, 7168, torch.bfloat16)
     stream = torch.cuda.Stream()
@@ -207,6 +242,7 @@ def test_opcheck_cuda():
         (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
         (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 256, lens, None)),
         (_ops.quantize_fp8_blockwise_op, (x,)),
+        (_ops.dequantize_mxfp4_op, (packed, scales, torch.bfloat16)),
     ]:
         torch.library.opcheck(op, args)
 

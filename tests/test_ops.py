@@ -120,6 +120,19 @@ def test_quantize_fp8_blockwise_equals_spec():
         assert_bitwise_equal(g, w, what)
 
 
+def test_dequantize_mxfp4_equals_spec():
+    packed, scales = _mxfp4(6, 256)
+    scales[0, 1] = 0xFF  # a NaN block
+    scales[1, 0] = 254  # overflow to +-inf
+    scales[2, :] = 0  # subnormal values
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        assert_bitwise_equal(ops.dequantize_mxfp4(packed, scales, dtype=dtype),
+                             formats.dequantize_mxfp4(packed, scales, dtype=dtype), str(dtype))
+    got = ops.dequantize_mxfp4(packed.reshape(2, 3, 128), scales.reshape(2, 3, 8))
+    assert got.shape == (2, 3, 256) and got.dtype == torch.bfloat16
+    assert_bitwise_equal(got.reshape(6, 256), ops.dequantize_mxfp4(packed, scales), "3-D")
+
+
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -157,6 +170,10 @@ def test_quantize_fp8_blockwise_equals_spec():
         (lambda: ops.mxfp4_rows_to_fp8_cols(_u8(2, 64), _u8(2, 4),
                                             torch.tensor([3])), "split_lens: segments cover 3 rows"),
         (lambda: ops.quantize_fp8_blockwise(torch.zeros(2, 96)), "x: last dimension .96. must be a multiple of 128"),
+        (lambda: ops.dequantize_mxfp4(_u8(2, 64), _u8(2, 3)), "scales: expected shape"),
+        (lambda: ops.dequantize_mxfp4(_u8(2, 8), _u8(2, 0)), "scales: expected shape"),
+        (lambda: ops.dequantize_mxfp4(torch.zeros(2, 64), _u8(2, 4)), "packed: expected dtype"),
+        (lambda: ops.dequantize_mxfp4(_u8(2, 64), _u8(2, 4), dtype=torch.int32), "dtype: expected one of"),
     ],
 )
 def test_bad_arguments_raise_value_error(call, match):
@@ -183,6 +200,8 @@ def test_fake_shapes():
         assert d.shape == (256, 6) and sc.shape[0] == 256 and go.shape == (4,)
         q, qs = ops.quantize_fp8_blockwise(x)
         assert (q.shape, q.dtype, qs.shape) == ((6, 256), torch.float8_e4m3fn, (6, 2))
+        v = ops.dequantize_mxfp4(p, s)
+        assert (v.shape, v.dtype) == ((6, 256), torch.bfloat16)
 
 
 def test_opcheck_cpu():
@@ -197,6 +216,7 @@ def test_opcheck_cpu():
         (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
         (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 128, None, None)),
         (_ops.quantize_fp8_blockwise_op, (x,)),
+        (_ops.dequantize_mxfp4_op, (packed, scales, torch.bfloat16)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

@@ -165,6 +165,32 @@ __host__ __device__ constexpr uint32_t remap_word(int d, int half) {
          (e4m3_of_shifted_e2m1(4 * half + 2, d) << 16) | (e4m3_of_shifted_e2m1(4 * half + 3, d) << 24);
 }
 
+// bf16 bits (high half of the float32 bits) of the 8 E2M1 magnitudes times the block scale, exact,
+// split into byte planes: (hlo, hhi) high bytes of codes 0..3 / 4..7, (llo, lhi) low bytes.
+__device__ __forceinline__ void block_tables(uint32_t sbyte, uint32_t& hlo, uint32_t& hhi, uint32_t& llo,
+                                             uint32_t& lhi) {
+  const float s = ue8m0_value(sbyte);
+  const uint32_t b0 = __float_as_uint(__fmul_rn(0.0f, s)), b1 = __float_as_uint(__fmul_rn(0.5f, s));
+  const uint32_t b2 = __float_as_uint(__fmul_rn(1.0f, s)), b3 = __float_as_uint(__fmul_rn(1.5f, s));
+  const uint32_t b4 = __float_as_uint(__fmul_rn(2.0f, s)), b5 = __float_as_uint(__fmul_rn(3.0f, s));
+  const uint32_t b6 = __float_as_uint(__fmul_rn(4.0f, s)), b7 = __float_as_uint(__fmul_rn(6.0f, s));
+  hlo = __byte_perm(__byte_perm(b0, b1, 0x0073), __byte_perm(b2, b3, 0x0073), 0x5410);
+  hhi = __byte_perm(__byte_perm(b4, b5, 0x0073), __byte_perm(b6, b7, 0x0073), 0x5410);
+  llo = __byte_perm(__byte_perm(b0, b1, 0x0062), __byte_perm(b2, b3, 0x0062), 0x5410);
+  lhi = __byte_perm(__byte_perm(b4, b5, 0x0062), __byte_perm(b6, b7, 0x0062), 0x5410);
+}
+
+// Eight E2M1 codes (one word) -> eight bf16 values (a 16-byte chunk).
+__device__ __forceinline__ uint4 dequant8_bf16(uint32_t w, uint32_t hlo, uint32_t hhi, uint32_t llo, uint32_t lhi) {
+  const uint32_t sel = w & 0x77777777u, sel_hi = sel >> 16;
+  const uint32_t h0 = __byte_perm(hlo, hhi, sel) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x1100));
+  const uint32_t l0 = __byte_perm(llo, lhi, sel);
+  const uint32_t h1 = __byte_perm(hlo, hhi, sel_hi) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x3322));
+  const uint32_t l1 = __byte_perm(llo, lhi, sel_hi);
+  return make_uint4(__byte_perm(l0, h0, 0x5140), __byte_perm(l0, h0, 0x7362), __byte_perm(l1, h1, 0x5140),
+                    __byte_perm(l1, h1, 0x7362));
+}
+
 // Segment index arrays may be int32 or int64.
 __device__ __forceinline__ long long load_index(const void* p, bool is64, long long i) {
   return is64 ? static_cast<const long long*>(p)[i] : static_cast<long long>(static_cast<const int*>(p)[i]);

@@ -81,4 +81,17 @@ struct QuantizeFp8Params {
 };
 cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
 
+// MXFP4 -> BF16: packed [N, H/2] + scales [N, H/32] -> bfloat16 [N, H] (the spec's dequantize_mxfp4
+// in float32, then cast).
+struct DequantizeMxfp4Params {
+  const uint8_t* packed;     // uint8 [N, H/2] (row stride packed_stride bytes, 4-byte aligned rows)
+  long long packed_stride;
+  const uint8_t* scales;     // uint8 [N, H/32] (row stride scales_stride bytes)
+  long long scales_stride;
+  uint16_t* out;             // bfloat16 [N, H], contiguous, 16-byte aligned
+  long long rows;            // N
+  int hidden;                // H, a multiple of 32
+};
+cudaError_t launch_dequantize_mxfp4_bf16(const DequantizeMxfp4Params& p, cudaStream_t stream);
+
 }  // namespace moe_fp4

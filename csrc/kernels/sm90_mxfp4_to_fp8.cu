@@ -12,7 +12,7 @@ namespace moe_fp4 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowUnroll = 4;
+constexpr int kRowUnroll = 8;  // items (8-byte loads) in flight per lane
 
 struct RemapTable {
   uint32_t word[kRemapRows][2];  // bytes: E4M3 magnitude of E2M1 magnitude code c at shift d
@@ -40,13 +40,14 @@ __device__ __forceinline__ float group_scale(uint32_t emax) {
   return __uint_as_float(emax >= 7u ? (emax - 6u) << 23 : 1u << (emax + 16u));
 }
 
-template <bool kVec16>
-__device__ __forceinline__ uint4 load_packed(const uint8_t* p) {
-  if constexpr (kVec16) {
-    return __ldcs(reinterpret_cast<const uint4*>(p));
+// 8 packed bytes (16 E2M1 codes) of a row.
+template <bool kVec8>
+__device__ __forceinline__ uint2 load_packed8(const uint8_t* p) {
+  if constexpr (kVec8) {
+    return __ldcs(reinterpret_cast<const uint2*>(p));
   } else {
     const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
-    return make_uint4(__ldcs(q), __ldcs(q + 1), __ldcs(q + 2), __ldcs(q + 3));
+    return make_uint2(__ldcs(q), __ldcs(q + 1));
   }
 }
 
@@ -64,7 +65,7 @@ __device__ __forceinline__ uint32_t count_underflow(uint32_t w, uint32_t zero_ma
   return n;
 }
 
-template <bool kVec16>
+template <bool kVec8>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const Mxfp4ToFp8RowsParams p) {
   __shared__ RemapTable remap;
   for (int i = threadIdx.x; i < kRemapRows; i += kThreads) {
@@ -76,7 +77,9 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
-  const int items = p.hidden / kMxBlock;  // 4 items per FP8 group
+  // An item is half an MX block: 8 packed bytes in, 16 E4M3 bytes out (one 16-byte store per lane,
+  // contiguous over the warp); 8 items per FP8 group.
+  const int items = p.hidden / 16;
   const int groups = p.hidden / kFp8Group;
   const Segments& seg = p.segments;
   const long long covered =
@@ -88,26 +91,23 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
     const bool in_segment =
         seg.lens == nullptr || warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered);
     if (!in_segment) {  // rows outside every segment: zero data and zero scales
-      for (int item = lane; item < items; item += 32) {
-        reinterpret_cast<uint4*>(orow + item * 32)[0] = make_uint4(0, 0, 0, 0);
-        reinterpret_cast<uint4*>(orow + item * 32)[1] = make_uint4(0, 0, 0, 0);
-      }
+      for (int item = lane; item < items; item += 32) reinterpret_cast<uint4*>(orow)[item] = make_uint4(0, 0, 0, 0);
       for (int g = lane; g < groups; g += 32) srow[g] = 0.0f;
       continue;
     }
     const uint8_t* prow = p.packed + row * p.packed_stride;
     const uint8_t* scrow = p.scales + row * p.scales_stride;
     for (int base = 0; base < items; base += 32 * kRowUnroll) {
-      uint4 raw[kRowUnroll];
+      uint2 raw[kRowUnroll];
       uint32_t s4[kRowUnroll];
 #pragma unroll
       for (int u = 0; u < kRowUnroll; ++u) {
         const int item = base + u * 32 + lane;
         if (item < items) {
-          raw[u] = load_packed<kVec16>(prow + item * 16);
-          s4[u] = __ldg(reinterpret_cast<const uint32_t*>(scrow + (item >> 2) * 4));  // the group's 4 scales
+          raw[u] = load_packed8<kVec8>(prow + item * 8);
+          s4[u] = __ldg(reinterpret_cast<const uint32_t*>(scrow + (item >> 3) * 4));  // the group's 4 scales
         } else {
-          raw[u] = make_uint4(0, 0, 0, 0);
+          raw[u] = make_uint2(0, 0);
           s4[u] = 0;
         }
       }
@@ -118,25 +118,18 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
         uint32_t m = __vmaxu4(s4[u], s4[u] >> 16);
         m = __vmaxu4(m, m >> 8);
         const uint32_t emax = m & 0xFFu;
-        uint4 o0 = make_uint4(0, 0, 0, 0), o1 = make_uint4(0, 0, 0, 0);  // NaN group: zero data
+        uint4 o = make_uint4(0, 0, 0, 0);  // NaN group: zero data
         if (emax != kUe8m0Nan) {
-          const uint32_t e = (s4[u] >> (8 * (item & 3))) & 0xFFu;
+          const uint32_t e = (s4[u] >> (8 * ((item >> 1) & 3))) & 0xFFu;
           const uint32_t d = min(emax - e, static_cast<uint32_t>(kRemapRows - 1));
           const uint32_t lo = remap.word[d][0], hi = remap.word[d][1];
-          remap8(raw[u].x, lo, hi, o0.x, o0.y);
-          remap8(raw[u].y, lo, hi, o0.z, o0.w);
-          remap8(raw[u].z, lo, hi, o1.x, o1.y);
-          remap8(raw[u].w, lo, hi, o1.z, o1.w);
+          remap8(raw[u].x, lo, hi, o.x, o.y);
+          remap8(raw[u].y, lo, hi, o.z, o.w);
           const uint32_t zero_mask = remap.zero[d];
-          if (zero_mask != 0u) {
-            underflow += count_underflow(raw[u].x, zero_mask) + count_underflow(raw[u].y, zero_mask) +
-                         count_underflow(raw[u].z, zero_mask) + count_underflow(raw[u].w, zero_mask);
-          }
+          if (zero_mask != 0u) underflow += count_underflow(raw[u].x, zero_mask) + count_underflow(raw[u].y, zero_mask);
         }
-        uint4* dst = reinterpret_cast<uint4*>(orow + item * 32);
-        dst[0] = o0;
-        dst[1] = o1;
-        if ((item & 3) == 0) srow[item >> 2] = group_scale(emax);
+        reinterpret_cast<uint4*>(orow)[item] = o;
+        if ((item & 7) == 0) srow[item >> 3] = group_scale(emax);
       }
     }
   }
@@ -150,15 +143,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
 // ------------------------------------------------------------------------------------------------
 
 constexpr int kTileRows = kFp8Group;     // tokens per tile: one FP8 scale group
-constexpr int kTileCols = 128;           // hidden columns per tile
-constexpr int kTileRowBytes = kTileCols * 2;  // bf16
 
-// Physical 16-byte chunk of logical chunk k (0..15) in tile row r. Phase A writes chunks 4q..4q+3 of
-// rows r, r+1 from 8 lanes; phase B reads the same chunk of rows 16 apart from 8 lanes: both touch 8
-// distinct 16-byte bank groups.
-__device__ __forceinline__ int tile_chunk(int r, int k) {
-  return k ^ ((k >> 3) << 1) ^ (((r >> 4) & 7) ^ (r & 1));
-}
 
 // One segment-group prefix pass (a single block): group offsets (output), first row of each segment,
 // the rows they cover in all, and for every scale group its first row and row count.
@@ -216,110 +201,6 @@ __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp
   }
 }
 
-// bf16 bits (high half of the float32 bits) of the 8 E2M1 magnitudes times the block scale, exact,
-// split into byte planes: (hlo, hhi) high bytes of codes 0..3 / 4..7, (llo, lhi) low bytes.
-__device__ __forceinline__ void block_tables(uint32_t sbyte, uint32_t& hlo, uint32_t& hhi, uint32_t& llo,
-                                             uint32_t& lhi) {
-  const float s = ue8m0_value(sbyte);
-  const uint32_t b0 = __float_as_uint(__fmul_rn(0.0f, s)), b1 = __float_as_uint(__fmul_rn(0.5f, s));
-  const uint32_t b2 = __float_as_uint(__fmul_rn(1.0f, s)), b3 = __float_as_uint(__fmul_rn(1.5f, s));
-  const uint32_t b4 = __float_as_uint(__fmul_rn(2.0f, s)), b5 = __float_as_uint(__fmul_rn(3.0f, s));
-  const uint32_t b6 = __float_as_uint(__fmul_rn(4.0f, s)), b7 = __float_as_uint(__fmul_rn(6.0f, s));
-  hlo = __byte_perm(__byte_perm(b0, b1, 0x0073), __byte_perm(b2, b3, 0x0073), 0x5410);
-  hhi = __byte_perm(__byte_perm(b4, b5, 0x0073), __byte_perm(b6, b7, 0x0073), 0x5410);
-  llo = __byte_perm(__byte_perm(b0, b1, 0x0062), __byte_perm(b2, b3, 0x0062), 0x5410);
-  lhi = __byte_perm(__byte_perm(b4, b5, 0x0062), __byte_perm(b6, b7, 0x0062), 0x5410);
-}
-
-// Eight E2M1 codes (one word) -> eight bf16 values (a 16-byte chunk).
-__device__ __forceinline__ uint4 dequant8_bf16(uint32_t w, uint32_t hlo, uint32_t hhi, uint32_t llo, uint32_t lhi) {
-  const uint32_t sel = w & 0x77777777u, sel_hi = sel >> 16;
-  const uint32_t h0 = __byte_perm(hlo, hhi, sel) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x1100));
-  const uint32_t l0 = __byte_perm(llo, lhi, sel);
-  const uint32_t h1 = __byte_perm(hlo, hhi, sel_hi) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x3322));
-  const uint32_t l1 = __byte_perm(llo, lhi, sel_hi);
-  return make_uint4(__byte_perm(l0, h0, 0x5140), __byte_perm(l0, h0, 0x7362), __byte_perm(l1, h1, 0x5140),
-                    __byte_perm(l1, h1, 0x7362));
-}
-
-// Bytes [lo, hi) of a 16-byte block held in w[0..3] (byte i of the block in w[i / 4]) to block + lo,
-// 0 <= lo <= hi <= 16, with the fewest naturally aligned stores of 8, 4, 2 and 1 bytes (the rest of
-// the block belongs to another segment and is written by another thread block).
-__device__ __forceinline__ void store_block_range(uint8_t* block, const uint32_t (&w)[4], int lo, int hi) {
-  while (lo < hi) {
-    const int n = hi - lo;
-    const uint32_t word = lo < 4 ? w[0] : lo < 8 ? w[1] : lo < 12 ? w[2] : w[3];
-    if ((lo & 7) == 0 && n >= 8) {
-      const uint32_t next = lo < 8 ? w[1] : w[3];
-      *reinterpret_cast<uint2*>(block + lo) = make_uint2(word, next);
-      lo += 8;
-    } else if ((lo & 3) == 0 && n >= 4) {
-      *reinterpret_cast<uint32_t*>(block + lo) = word;
-      lo += 4;
-    } else if ((lo & 1) == 0 && n >= 2) {
-      *reinterpret_cast<uint16_t*>(block + lo) = static_cast<uint16_t>(word >> (8 * (lo & 3)));
-      lo += 2;
-    } else {
-      block[lo] = static_cast<uint8_t>(word >> (8 * (lo & 3)));
-      lo += 1;
-    }
-  }
-}
-
-// 16 E4M3 bytes o (tokens 16tb .. 16tb+15 of one hidden column, `cnt` valid tokens in the group) to
-// `row` (the column's first token in the output, any alignment). The 8 lanes of a column are
-// consecutive (tb = lane & 7) and every lane must call this (it shuffles). With the column start at
-// r bytes past a 16-byte boundary, lane tb writes the aligned block that starts inside its chunk,
-// made of its last r bytes and the first 16 - r of lane tb + 1; lane 0 also writes the head before
-// the first boundary. Blocks that reach outside [0, cnt) are written byte by byte: they share their
-// other bytes with neighbouring segments, written by other blocks.
-__device__ __forceinline__ void store_column(uint8_t* row, const uint4& o, int tb, int cnt) {
-  uint4 nx;
-  nx.x = __shfl_down_sync(0xFFFFFFFFu, o.x, 1);
-  nx.y = __shfl_down_sync(0xFFFFFFFFu, o.y, 1);
-  nx.z = __shfl_down_sync(0xFFFFFFFFu, o.z, 1);
-  nx.w = __shfl_down_sync(0xFFFFFFFFu, o.w, 1);
-  uint8_t* mine = row + 16 * tb;
-  const int r = static_cast<int>(reinterpret_cast<uintptr_t>(mine) & 15);
-  const uint32_t ow[4] = {o.x, o.y, o.z, o.w};
-  if (r == 0) {
-    const int n = cnt - 16 * tb;
-    if (n >= 16) {
-      *reinterpret_cast<uint4*>(mine) = o;
-    } else if (n > 0) {
-      store_block_range(mine, ow, 0, n);
-    }
-    return;
-  }
-  if (tb == 0) {  // head: tokens [0, 16 - r) fill bytes r .. 15 of the aligned block before `mine`
-    // That block is the own 16 bytes shifted up by r bytes: word k takes own words k - q - 1, k - q.
-    const int q = r >> 2, sh = 8 * (r & 3);
-    auto own = [&](int i) { return i == 0 ? ow[0] : i == 1 ? ow[1] : i == 2 ? ow[2] : i == 3 ? ow[3] : 0u; };
-    const uint32_t hw[4] = {__funnelshift_l(own(-q - 1), own(-q), sh), __funnelshift_l(own(-q), own(1 - q), sh),
-                            __funnelshift_l(own(1 - q), own(2 - q), sh), __funnelshift_l(own(2 - q), own(3 - q), sh)};
-    store_block_range(mine - r, hw, r, min(16, r + cnt));
-  }
-  const int first = 16 * tb + 16 - r;  // first token of the aligned block this lane writes
-  if (first >= cnt) return;
-  // Bytes 16 - r .. 31 - r of (own 16 bytes, next lane's 16 bytes).
-  const uint32_t w0 = o.x, w1 = o.y, w2 = o.z, w3 = o.w, w4 = nx.x, w5 = nx.y, w6 = nx.z, w7 = nx.w;
-  const int off = 16 - r, q = off >> 2, sh = 8 * (off & 3);
-  const uint32_t t0 = q == 0 ? w0 : q == 1 ? w1 : q == 2 ? w2 : w3;
-  const uint32_t t1 = q == 0 ? w1 : q == 1 ? w2 : q == 2 ? w3 : w4;
-  const uint32_t t2 = q == 0 ? w2 : q == 1 ? w3 : q == 2 ? w4 : w5;
-  const uint32_t t3 = q == 0 ? w3 : q == 1 ? w4 : q == 2 ? w5 : w6;
-  const uint32_t t4 = q == 0 ? w4 : q == 1 ? w5 : q == 2 ? w6 : w7;
-  const uint32_t bw[4] = {__funnelshift_r(t0, t1, sh), __funnelshift_r(t1, t2, sh), __funnelshift_r(t2, t3, sh),
-                          __funnelshift_r(t3, t4, sh)};
-  uint8_t* block = mine + off;
-  const int n = cnt - first;
-  if (n >= 16) {
-    *reinterpret_cast<uint4*>(block) = make_uint4(bw[0], bw[1], bw[2], bw[3]);
-  } else {
-    store_block_range(block, bw, 0, n);
-  }
-}
-
 // Asynchronous global -> shared copies (cp.async): `valid` false zero-fills the destination.
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
@@ -332,48 +213,225 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, bool val
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 __device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::); }
 
-// Shared memory of the column kernel: the dequantized tile and two stages of raw MXFP4 input (packed bytes and scales of 128 rows x 128 hidden) filled by cp.async.
-constexpr int kRawPackedBytes = kTileRows * (kTileCols / 2);     // 8 KB
-constexpr int kRawScaleBytes = kTileRows * (kTileCols / kMxBlock);  // 512 B
-constexpr int kRawStageBytes = kRawPackedBytes + kRawScaleBytes;
-constexpr int kColsSmemBytes = kTileRows * kTileRowBytes + 2 * kRawStageBytes;
+// ---- The column kernel proper: independent warp tasks. ----
+// A task is one scale group (up to 128 rows of one expert) times one MX block column (32 hidden
+// columns, 16 packed bytes per row): 2 KB of packed bytes, copied by cp.async into a warp-private
+// stage (two stages per warp: the next task's copy overlaps this task's work) and 128 scale bytes
+// loaded into registers one task ahead. Lane (o, tb) = (lane >> 3, lane & 7) owns hidden columns
+// 8o .. 8o+7 of the block and rows 8tb .. 8tb+7 and 64+8tb .. 64+8tb+7 of the group. No CTA-wide barrier after the
+// prologue, no float arithmetic per element:
+//   1. column maxima as 16-bit keys, 4 S + k(c) with S the row's scale byte and k(c) = 4 (ev + 2) +
+//      2 mh + 1 for the E2M1 magnitude (1 + mh / 2) 2^ev (a monotone image of the value; code 0 maps
+//      to a negative key), reduced over the 8 lanes of a column by shuffles;
+//   2. each lane decodes one column's maximum to its exact float32 and takes the FP8 scale byte sb
+//      (e4m3_scale_byte, as for any FP8 1x128 group);
+//   3. the E4M3 byte of E2M1 code c in a row of scale S is base(c) + 8 (S - sb) whenever that lands
+//      in E4M3's normal range (every S - sb in [-5, 10] in the lane, the common case): computed for
+//      four columns at once with a byte permute, one subtract and one multiply-add; otherwise a
+//      per-element table (subnormal results, underflow, saturated or NaN columns);
+//   4. a 4x4 byte transpose per four rows and one 8-byte store per column, lane and half.
+constexpr int kColWarps = kThreads / 32;
+constexpr int kColStage = kTileRows * 16;          // packed bytes of one task
+constexpr int kColMaxExperts = 1024;               // larger expert counts use the prepare kernel
+constexpr int kColKRows = 24;                       // shifts k = S - sb in [-14, 9]
+constexpr int kColSmemFixed = kColWarps * 2 * kColStage + kColKRows * 8;
 
-struct ColTile {
-  long long g = 0, row0 = 0;  // scale group (output scale column) and its first input row
-  int ht = 0, cnt = 0;        // hidden tile and rows in the group (<= 128)
+// E4M3 byte (no sign) of the E2M1 magnitude code c times 2^k: round to nearest even, saturating.
+__host__ __device__ constexpr uint32_t e4m3_of_e2m1_times_pow2(int c, int k) {
+  if (k <= 6) return e4m3_of_shifted_e2m1(c, 6 - k);
+  const int n = c == 0 ? 0 : c == 1 ? 1 : c == 2 ? 2 : c == 3 ? 3 : c == 4 ? 4 : c == 5 ? 6 : c == 6 ? 8 : 12;
+  if (n == 0) return 0u;
+  long long units = static_cast<long long>(n) << (8 + k);  // value / 2^-9, exact
+  if (units >= 448 * 512) return 0x7Eu;
+  int e = 1;
+  while (units >= 16) {
+    units >>= 1;
+    ++e;
+  }
+  return static_cast<uint32_t>((e << 3) | static_cast<int>(units - 8));
+}
+
+// PRMT with the sign-replicating selector bit (nibble bit 3), which __byte_perm does not promise.
+__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+__device__ __forceinline__ uint32_t max_s16x2(uint32_t a, uint32_t b) {
+  uint32_t r;
+  asm("max.s16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// Key planes: bytes of k(c) (codes 0..7) and the high byte 0xF0 of code 0 (key 0xF000 + 4 S < 0).
+constexpr uint32_t kKeyLo = 0x0B090500u, kKeyHi = 0x13110F0Du, kKeyZeroHigh = 0x000000F0u;
+// base(c) - 40 for codes 1..7 (base(c) = E4M3 byte of the code's value times 2^0 minus... see above:
+// ((ev + 7) << 3) | (mh << 2)), and 0x80 for code 0 (its result then has bit 7 set and is cleared).
+constexpr uint32_t kBaseLo = 0x14100880u, kBaseHi = 0x24201C18u;
+
+// Exact float32 bits of the value with key `key` (> 0): (1 + mh/2) 2^(E - 129), E = key >> 2.
+__device__ __forceinline__ uint32_t key_to_float_bits(int key) {
+  const uint32_t e = static_cast<uint32_t>(key) >> 2, mh = (static_cast<uint32_t>(key) >> 1) & 1u;
+  if (e >= 257u) return kFloatInfBits;  // 2 * 2^128 and more overflow float32, as in the spec
+  if (e >= 3u) return ((e - 2u) << 23) | (mh << 22);
+  return (2u + mh) << (19u + e);  // subnormal: 2^-128 or 2^-127 times 1 or 1.5
+}
+
+// 4x4 byte transpose: r0..r3 are four rows of four bytes; returns the columns in c0..c3.
+__device__ __forceinline__ void transpose4x4(uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3, uint32_t& c0,
+                                             uint32_t& c1, uint32_t& c2, uint32_t& c3) {
+  const uint32_t t0 = __byte_perm(r0, r1, 0x5140), t1 = __byte_perm(r0, r1, 0x7362);
+  const uint32_t t2 = __byte_perm(r2, r3, 0x5140), t3 = __byte_perm(r2, r3, 0x7362);
+  c0 = __byte_perm(t0, t2, 0x5410);
+  c1 = __byte_perm(t0, t2, 0x7632);
+  c2 = __byte_perm(t1, t3, 0x5410);
+  c3 = __byte_perm(t1, t3, 0x7632);
+}
+
+// Bytes [0, n) of v (n <= 8) to dst, any alignment: one 8-byte store when dst is 8-byte aligned and n
+// is 8, else the fewest naturally aligned pieces (the bytes around belong to other segments).
+__device__ __forceinline__ void store_bytes8(uint8_t* dst, uint2 v, int n) {
+  if (n <= 0) return;
+  if (n == 8 && (reinterpret_cast<uintptr_t>(dst) & 7) == 0) {
+    *reinterpret_cast<uint2*>(dst) = v;
+    return;
+  }
+  unsigned long long x = (static_cast<unsigned long long>(v.y) << 32) | v.x;
+  int i = 0;
+  while (i < n) {
+    const uintptr_t a = reinterpret_cast<uintptr_t>(dst + i);
+    const int left = n - i;
+    if ((a & 3) == 0 && left >= 4) {
+      *reinterpret_cast<uint32_t*>(dst + i) = static_cast<uint32_t>(x);
+      x >>= 32;
+      i += 4;
+    } else if ((a & 1) == 0 && left >= 2) {
+      *reinterpret_cast<uint16_t*>(dst + i) = static_cast<uint16_t>(x);
+      x >>= 16;
+      i += 2;
+    } else {
+      dst[i] = static_cast<uint8_t>(x);
+      x >>= 8;
+      i += 1;
+    }
+  }
+}
+
+struct ColTask {  // cnt == 0: no task
+  int row0 = 0, g = 0, b = 0, cnt = 0;
 };
 
 template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
-  uint8_t* tile = smem;                                    // 128 tokens x 128 bf16, swizzled chunks
-  uint8_t* raw_stages = tile + kTileRows * kTileRowBytes;  // 2 x (packed [128][64], scales [128][4])
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  uint8_t* stages = smem + warp * 2 * kColStage;
+  uint8_t* ktable = smem + kColWarps * 2 * kColStage;  // [kColKRows][8] E4M3 magnitudes
+  int* goff = reinterpret_cast<int*>(smem + kColSmemFixed);
   const Segments& seg = p.segments;
-  const int htiles = p.hidden / kTileCols;
-  const long long num_tiles = p.num_groups * htiles;
-  const long long n_out = p.rows;
-  const long long grid = gridDim.x;
+  const bool table = seg.num <= kColMaxExperts;
+  int* first = goff + (seg.num + 1);
+  int* lens = first + seg.num;
+  __shared__ long long s_covered;
+  __shared__ int s_warp_rows[kColWarps], s_warp_groups[kColWarps];
+  __shared__ int4 s_next[kColWarps];  // each warp's next task (kept out of registers)
 
-  auto locate = [&](long long v) {
-    ColTile t;
-    t.g = v / htiles;
-    t.ht = static_cast<int>(v - t.g * htiles);
-    t.row0 = p.group_rows[2 * t.g];
-    t.cnt = static_cast<int>(p.group_rows[2 * t.g + 1]);
+  for (int i = tid; i < kColKRows * 8; i += kThreads) {
+    ktable[i] = static_cast<uint8_t>(e4m3_of_e2m1_times_pow2(i & 7, (i >> 3) - 14));
+  }
+  if (table) {
+    // Block-wide exclusive prefix of lengths and group counts over the experts.
+    const int per = (seg.num + kThreads - 1) / kThreads;
+    const int e0 = min(tid * per, seg.num), e1 = min(e0 + per, seg.num);
+    long long rows = 0, groups = 0;
+    for (int e = e0; e < e1; ++e) {
+      const long long len = load_index(seg.lens, seg.is64, e);
+      rows += len;
+      groups += (len + kFp8Group - 1) / kFp8Group;
+    }
+    long long ir = rows, ig = groups;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const long long a = __shfl_up_sync(0xFFFFFFFFu, ir, m), c = __shfl_up_sync(0xFFFFFFFFu, ig, m);
+      if (lane >= m) {
+        ir += a;
+        ig += c;
+      }
+    }
+    if (lane == 31) {
+      s_warp_rows[warp] = static_cast<int>(ir);
+      s_warp_groups[warp] = static_cast<int>(ig);
+    }
+    __syncthreads();
+    long long br = 0, bg = 0, tr = 0, tg = 0;
+    for (int w = 0; w < kColWarps; ++w) {
+      if (w < warp) {
+        br += s_warp_rows[w];
+        bg += s_warp_groups[w];
+      }
+      tr += s_warp_rows[w];
+      tg += s_warp_groups[w];
+    }
+    long long r = br + ir - rows, gsum = bg + ig - groups;
+    for (int e = e0; e < e1; ++e) {
+      const long long len = load_index(seg.lens, seg.is64, e);
+      const long long f = seg.offsets != nullptr ? load_index(seg.offsets, seg.is64, e) : r;
+      goff[e] = static_cast<int>(gsum);
+      first[e] = static_cast<int>(f);
+      lens[e] = static_cast<int>(len);
+      if (blockIdx.x == 0) p.group_offsets[e] = gsum;
+      r += len;
+      gsum += (len + kFp8Group - 1) / kFp8Group;
+    }
+    if (tid == 0) {
+      goff[seg.num] = static_cast<int>(tg);
+      s_covered = tr;
+      if (blockIdx.x == 0) p.group_offsets[seg.num] = tg;
+    }
+  } else if (tid == 0) {
+    s_covered = p.workspace[seg.num];
+  }
+  __syncthreads();
+
+  const unsigned nb = p.hidden / kMxBlock;
+  const unsigned num_tasks = static_cast<unsigned>(p.num_groups) * nb;  // < 2^31 (checked by the launcher)
+  const long long n_out = p.rows;
+  const bool out8 = ((n_out & 7) == 0) && ((reinterpret_cast<uintptr_t>(p.out) & 7) == 0);
+  const int o = lane >> 3, tb = lane & 7;
+
+  auto locate = [&](unsigned v) {
+    ColTask t;
+    if (v >= num_tasks) return t;
+    t.g = static_cast<int>(v / nb);
+    t.b = static_cast<int>(v - static_cast<unsigned>(t.g) * nb);
+    if (table) {
+      if (t.g >= goff[seg.num]) return t;
+      int lo = 0, hi = seg.num - 1;  // the last expert e with goff[e] <= g
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (goff[mid] <= t.g) lo = mid; else hi = mid - 1;
+      }
+      const int j = t.g - goff[lo];
+      t.row0 = first[lo] + j * kFp8Group;
+      t.cnt = min(kFp8Group, lens[lo] - j * kFp8Group);
+    } else {
+      t.row0 = static_cast<int>(p.group_rows[2 * t.g]);
+      t.cnt = static_cast<int>(p.group_rows[2 * t.g + 1]);
+    }
     return t;
   };
-  // Copies of one tile's input into raw stage `st`; rows past the group's end are zero-filled (the
-  // spec pads the last group with zeros).
-  auto issue = [&](const ColTile& t, int st) {
-    uint8_t* stage = raw_stages + st * kRawStageBytes;
+  // cp.async of a task's packed bytes into stage st (rows past cnt zero-filled) and its scale bytes
+  // (rows 4 lane .. 4 lane + 3) into a register.
+  auto issue = [&](const ColTask& t, int st, uint32_t& sc) {
+    uint8_t* stage = stages + st * kColStage;
+    sc = 0;
+    if (t.cnt == 0) return;
 #pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
+    for (int k = 0; k < 4; ++k) {
+      const int r = lane + 32 * k;
       const bool valid = r < t.cnt;
-      const uint8_t* src =
-          valid ? p.packed + (t.row0 + r) * p.packed_stride + t.ht * (kTileCols / 2) + q * 16 : p.packed;
-      uint8_t* dst = stage + r * (kTileCols / 2) + q * 16;
+      const uint8_t* src = valid ? p.packed + static_cast<long long>(t.row0 + r) * p.packed_stride + t.b * 16 : p.packed;
+      uint8_t* dst = stage + (r ^ ((r >> 3) & 7)) * 16;
       if constexpr (kVec16) {
         cp_async16(dst, src, valid);
       } else {
@@ -381,116 +439,198 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
         for (int j = 0; j < 4; ++j) cp_async4(dst + 4 * j, valid ? src + 4 * j : src, valid);
       }
     }
-    if (tid < kTileRows) {
-      const bool valid = tid < t.cnt;
-      const uint8_t* src = valid ? p.scales + (t.row0 + tid) * p.scales_stride + t.ht * 4 : p.scales;
-      cp_async4(stage + kRawPackedBytes + tid * 4, src, valid);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int r = 4 * lane + j;
+      if (r < t.cnt) sc |= static_cast<uint32_t>(__ldg(p.scales + static_cast<long long>(t.row0 + r) * p.scales_stride + t.b)) << (8 * j);
     }
   };
 
-  ColTile cur, nxt;
-  long long v = blockIdx.x;
-  if (v < num_tiles) {
-    cur = locate(v);
-    issue(cur, 0);
-  }
+  const unsigned gw = blockIdx.x * kColWarps + warp, nw = gridDim.x * kColWarps;
+  ColTask cur = locate(gw);
+  uint32_t sc_cur = 0, sc_nxt = 0;
+  issue(cur, 0, sc_cur);
   cp_async_commit();
-  if (v + grid < num_tiles) {
-    nxt = locate(v + grid);
-    issue(nxt, 1);
-  }
-  cp_async_commit();
-
-  for (int it = 0; v < num_tiles; v += grid, ++it) {
+  for (int it = 0; cur.cnt > 0; ++it) {
     const int st = it & 1;
-    cp_async_wait_one();  // this thread's copies of the current stage have landed
-    __syncthreads();      // ... and everybody's
-
-    // Phase A: dequantize the stage (exactly, as bf16) into the swizzled tile.
-    const uint8_t* stage = raw_stages + st * kRawStageBytes;
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int u = tid + s * kThreads, r = u >> 2, q = u & 3;
-      const uint4 raw = *reinterpret_cast<const uint4*>(stage + r * (kTileCols / 2) + q * 16);
-      uint32_t hlo, hhi, llo, lhi;
-      block_tables(stage[kRawPackedBytes + r * 4 + q], hlo, hhi, llo, lhi);
-      uint8_t* trow = tile + r * kTileRowBytes;
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 0) * 16) = dequant8_bf16(raw.x, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 1) * 16) = dequant8_bf16(raw.y, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 2) * 16) = dequant8_bf16(raw.z, hlo, hhi, llo, lhi);
-      *reinterpret_cast<uint4*>(trow + tile_chunk(r, 4 * q + 3) * 16) = dequant8_bf16(raw.w, hlo, hhi, llo, lhi);
-    }
-    __syncthreads();  // the tile is complete and the stage is free again
-    ColTile after;
-    if (v + 2 * grid < num_tiles) {  // two tiles ahead into the stage just consumed
-      after = locate(v + 2 * grid);
-      issue(after, st);
+    {
+      const ColTask nxt = locate(gw + static_cast<unsigned>(it + 1) * nw);
+      issue(nxt, st ^ 1, sc_nxt);
+      if (lane == 0) s_next[warp] = make_int4(nxt.row0, nxt.g, nxt.b, nxt.cnt);
     }
     cp_async_commit();
+    cp_async_wait_one();
+    __syncwarp();
+    const uint8_t* stage = stages + st * kColStage;
 
-    // Phase B: thread (hp, tb) owns hidden columns 2hp, 2hp+1 and tokens 16tb .. 16tb+15.
-#pragma unroll 1
-    for (int s = 0; s < 2; ++s) {
-      const int u = tid + s * kThreads, tb = u & 7, hp = u >> 3;
-      const int k = hp >> 2;
-      uint32_t w[16];
+    // Scale bytes of this lane's 16 rows (word j: rows 64 (j >> 1) + 8tb + 4 (j & 1) + 0..3), and
+    // whether any row of the group is NaN.
+    uint32_t sw[4];
 #pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int t = tb * 16 + i;
-        w[i] = *reinterpret_cast<const uint32_t*>(tile + t * kTileRowBytes + tile_chunk(t, k) * 16 + (hp & 3) * 4);
+    for (int j = 0; j < 4; ++j) sw[j] = __shfl_sync(0xFFFFFFFFu, sc_cur, 16 * (j >> 1) + 2 * tb + (j & 1));
+    const bool nan_block = __any_sync(0xFFFFFFFFu, ((~sc_cur - 0x01010101u) & sc_cur & 0x80808080u) != 0u);
+
+    // 1. Column keys.
+    uint32_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+    int smin = 255, smax = 0;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const int r = 64 * (i >> 3) + 8 * tb + ((i & 7) ^ tb);  // physical row
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(stage + r * 16 + 4 * o);
+      const uint32_t s = (sw[i >> 2] >> (8 * (i & 3))) & 0xFFu;
+      const uint32_t sel = w & 0x77777777u;
+      if (sel != 0u) {
+        smin = min(smin, static_cast<int>(s));
+        smax = max(smax, static_cast<int>(s));
       }
-      uint32_t m = 0;
+      const uint32_t s4 = s * 0x00040004u;
+      const uint32_t lo0 = __byte_perm(kKeyLo, kKeyHi, sel), hi0 = __byte_perm(kKeyZeroHigh, 0u, sel);
+      const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel >> 16), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel >> 16);
+      m0 = max_s16x2(m0, __byte_perm(lo0, hi0, 0x5140) + s4);
+      m1 = max_s16x2(m1, __byte_perm(lo0, hi0, 0x7362) + s4);
+      m2 = max_s16x2(m2, __byte_perm(lo1, hi1, 0x5140) + s4);
+      m3 = max_s16x2(m3, __byte_perm(lo1, hi1, 0x7362) + s4);
+    }
 #pragma unroll
-      for (int i = 0; i < 16; ++i) m = max_u16x2(m, w[i] & 0x7FFF7FFFu);  // |bf16| bits, NaN on top
+    for (int x = 1; x < 8; x <<= 1) {
+      m0 = max_s16x2(m0, __shfl_xor_sync(0xFFFFFFFFu, m0, x));
+      m1 = max_s16x2(m1, __shfl_xor_sync(0xFFFFFFFFu, m1, x));
+      m2 = max_s16x2(m2, __shfl_xor_sync(0xFFFFFFFFu, m2, x));
+      m3 = max_s16x2(m3, __shfl_xor_sync(0xFFFFFFFFu, m3, x));
+    }
+    // 2. This lane's column tb: its scale byte, written out; then every lane gathers its 8 columns'.
+    const uint32_t mm = tb < 2 ? m0 : tb < 4 ? m1 : tb < 6 ? m2 : m3;
+    const int key = static_cast<int16_t>(static_cast<uint16_t>(mm >> (16 * (tb & 1))));
+    const uint32_t sb = nan_block ? kUe8m0Nan : key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0u;
+    const long long col = static_cast<long long>(cur.b) * kMxBlock + 8 * o + tb;
+    p.out_scales[col * p.num_groups + cur.g] = ue8m0_value(sb);
+    const int wsmax = static_cast<int>(__reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(smax)));
+    // Byte used in the fast formula: an all-zero column (every result zero) takes one that keeps
+    // the lane's shifts in range.
+    const uint32_t sbc = key > 0 ? sb : static_cast<uint32_t>(max(wsmax - 5, 5));
+
+    if (nan_block) {
+      // Every column of the block is NaN: zero data.
 #pragma unroll
-      for (int x = 1; x < 8; x <<= 1) m = max_u16x2(m, __shfl_xor_sync(0xFFFFFFFFu, m, x));
-      const uint32_t s_lo = e4m3_scale_byte(m << 16), s_hi = e4m3_scale_byte(m & 0xFFFF0000u);
-      uint4 o_lo = make_uint4(0, 0, 0, 0), o_hi = make_uint4(0, 0, 0, 0);
-      if (s_lo != kUe8m0Nan) {
-        const float inv = ue8m0_inverse(s_lo);
-        uint32_t o[4];
+      for (int j = 0; j < 8; ++j) {
+        uint8_t* dst = p.out + (col - tb + j) * n_out + cur.row0;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          o[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] << 16), inv),
-                        __fmul_rn(__uint_as_float(w[4 * c + 1] << 16), inv),
-                        __fmul_rn(__uint_as_float(w[4 * c + 2] << 16), inv),
-                        __fmul_rn(__uint_as_float(w[4 * c + 3] << 16), inv));
+        for (int hh = 0; hh < 2; ++hh) {
+          const int t0 = 64 * hh + 8 * tb;
+          store_bytes8(dst + t0, make_uint2(0, 0), min(8, cur.cnt - t0));
         }
-        o_lo = make_uint4(o[0], o[1], o[2], o[3]);
       }
-      if (s_hi != kUe8m0Nan) {
-        const float inv = ue8m0_inverse(s_hi);
-        uint32_t o[4];
+    } else {
+      uint32_t sbw_lo = 0, sbw_hi = 0, cw_lo = 0, cw_hi = 0;
+      int cmin = 255, cmax = 0;
+      bool special = false;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          o[c] = e4m3x4(__fmul_rn(__uint_as_float(w[4 * c] & 0xFFFF0000u), inv),
-                        __fmul_rn(__uint_as_float(w[4 * c + 1] & 0xFFFF0000u), inv),
-                        __fmul_rn(__uint_as_float(w[4 * c + 2] & 0xFFFF0000u), inv),
-                        __fmul_rn(__uint_as_float(w[4 * c + 3] & 0xFFFF0000u), inv));
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t b = __shfl_sync(0xFFFFFFFFu, sb, (lane & ~7) + j);
+        const uint32_t c = __shfl_sync(0xFFFFFFFFu, sbc, (lane & ~7) + j);
+        special |= b == kUe8m0Nan;
+        cmin = min(cmin, static_cast<int>(c));
+        cmax = max(cmax, static_cast<int>(c));
+        if (j < 4) {
+          sbw_lo |= b << (8 * j);
+          cw_lo |= (c - 5u) << (8 * j);  // only used when every c >= 5
+        } else {
+          sbw_hi |= b << (8 * (j - 4));
+          cw_hi |= (c - 5u) << (8 * (j - 4));
         }
-        o_hi = make_uint4(o[0], o[1], o[2], o[3]);
       }
-      const long long col = static_cast<long long>(cur.ht) * kTileCols + 2 * hp;
-      uint8_t* dst = p.out + col * n_out + cur.row0;
-      store_column(dst, o_lo, tb, cur.cnt);
-      store_column(dst + n_out, o_hi, tb, cur.cnt);
-      if (tb == 0) {
-        p.out_scales[col * p.num_groups + cur.g] = ue8m0_value(s_lo);
-        p.out_scales[(col + 1) * p.num_groups + cur.g] = ue8m0_value(s_hi);
+      const bool fast = !special && cmin >= 5 && cmax - cmin <= 15 && smin + 5 >= cmax && smax + 5 - cmin <= 15;
+      const int s_idle = cmax - 5;  // rows whose 8 codes are all zero: any shift in range will do
+      const bool aligned = out8 && cur.cnt == kTileRows && ((cur.row0 & 7) == 0);
+
+      // 3. E4M3 bytes of four rows at a time, transposed into the columns' words; 4. stored per half.
+      auto row_word = [&](int hh, int t) {  // packed word of row 64 hh + 8 tb + t
+        return *reinterpret_cast<const uint32_t*>(stage + (64 * hh + 8 * tb + (t ^ tb)) * 16 + 4 * o);
+      };
+      auto store_half = [&](int hh, const uint32_t (&out)[8][2]) {
+        const int t0 = 64 * hh + 8 * tb;
+        const int n = min(8, cur.cnt - t0);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* dst = p.out + (col - tb + j) * n_out + cur.row0 + t0;
+          const uint2 v = make_uint2(out[j][0], out[j][1]);
+          if (aligned) {
+            *reinterpret_cast<uint2*>(dst) = v;
+          } else {
+            store_bytes8(dst, v, n);
+          }
+        }
+      };
+      if (fast) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          uint32_t out[8][2];
+#pragma unroll
+          for (int a = 0; a < 2; ++a) {
+            uint32_t rlo[4], rhi[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t w = row_word(hh, 4 * a + i);
+              const uint32_t s = (sw[2 * hh + a] >> (8 * i)) & 0xFFu;
+              const uint32_t sel = w & 0x77777777u;
+              const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;
+              const uint32_t srep = (sel != 0u ? s : static_cast<uint32_t>(s_idle)) * 0x01010101u;
+              const uint32_t x_lo = srep - cw_lo, x_hi = srep - cw_hi;  // bytes S - sb + 5 in [0, 15]
+              const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
+              const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, sel >> 16);
+              rlo[i] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
+              rhi[i] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+            }
+            transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
+            transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
+          }
+          store_half(hh, out);
+        }
+      } else {
+        // Per element through the table (subnormal results, underflow, saturated or NaN columns).
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          uint32_t out[8][2];
+#pragma unroll
+          for (int a = 0; a < 2; ++a) {
+            uint32_t r[2][4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const uint32_t w = row_word(hh, 4 * a + i);
+              const int s = static_cast<int>((sw[2 * hh + a] >> (8 * i)) & 0xFFu);
+              r[0][i] = r[1][i] = 0u;
+#pragma unroll
+              for (int j = 0; j < 8; ++j) {
+                const uint32_t b = ((j < 4 ? sbw_lo : sbw_hi) >> (8 * (j & 3))) & 0xFFu;
+                const int k = min(max(s - static_cast<int>(b), -14), 9);
+                const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((w >> (4 * j)) & 7u)]) |
+                                   (((w >> (4 * j + 3)) & 1u) << 7);
+                r[j >> 2][i] |= (b == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
+              }
+            }
+            transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], out[0][a], out[1][a], out[2][a], out[3][a]);
+            transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], out[4][a], out[5][a], out[6][a], out[7][a]);
+          }
+          store_half(hh, out);
+        }
       }
     }
-    __syncthreads();
-    cur = nxt;
-    nxt = after;
+    __syncwarp();  // every lane is done with this stage before the next copy into it
+    const int4 nx = s_next[warp];
+    cur.row0 = nx.x;
+    cur.g = nx.y;
+    cur.b = nx.z;
+    cur.cnt = nx.w;
+    sc_cur = sc_nxt;
   }
   asm volatile("cp.async.wait_all;\n" ::);
 
   // Columns of rows outside every segment are zero.
-  const long long covered = p.workspace[seg.num];
+  const long long covered = s_covered;
   if (seg.offsets == nullptr && covered >= p.rows) return;
-  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + tid) >> 5;
+  const long long gwarp = (static_cast<long long>(blockIdx.x) * kThreads + tid) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
-  for (long long row = warp; row < p.rows; row += num_warps) {
+  for (long long row = gwarp; row < p.rows; row += num_warps) {
     if (warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered)) continue;
     for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * n_out + row] = 0;
   }
@@ -515,9 +655,9 @@ int persistent_grid(Kernel kernel, long long work_blocks, int smem_bytes = 0) {
 
 cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
-  const bool vec16 = ((p.packed_stride & 15) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 15) == 0);
+  const bool vec8 = ((p.packed_stride & 7) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 7) == 0);
   const long long blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
-  if (vec16) {
+  if (vec8) {
     auto k = sm90_mxfp4_to_fp8_rows_kernel<true>;
     k<<<persistent_grid(k, blocks), kThreads, 0, stream>>>(p);
   } else {
@@ -528,20 +668,25 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
 }
 
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
-  sm90_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
+  const bool table = p.segments.num <= kColMaxExperts;
+  if (!table || p.rows <= 0 || p.hidden <= 0) sm90_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
   if (p.rows <= 0 || p.hidden <= 0) return cudaGetLastError();
+  // Task indices and row numbers are 32-bit in the kernel.
+  if (p.rows >= (1LL << 31) || p.num_groups * (p.hidden / kMxBlock) >= (1LL << 31)) return cudaErrorInvalidValue;
   const bool vec16 = ((p.packed_stride & 15) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 15) == 0);
-  const long long tiles = p.num_groups * (p.hidden / kTileCols);
-  const long long zero_blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
-  const long long work = tiles > zero_blocks ? tiles : zero_blocks;
+  const long long tasks = p.num_groups * (p.hidden / kMxBlock);
+  const long long zero_warps = p.segments.offsets != nullptr ? p.rows : 0;
+  const long long warps = tasks > zero_warps ? tasks : zero_warps;
+  const long long blocks = (warps + kColWarps - 1) / kColWarps;
+  const int smem = kColSmemFixed + (table ? 12 * (p.segments.num + 1) : 0);
   if (vec16) {
     auto k = sm90_mxfp4_to_fp8_cols_kernel<true>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kColsSmemBytes);
-    k<<<persistent_grid(k, work, kColsSmemBytes), kThreads, kColsSmemBytes, stream>>>(p);
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    k<<<persistent_grid(k, blocks, smem), kThreads, smem, stream>>>(p);
   } else {
     auto k = sm90_mxfp4_to_fp8_cols_kernel<false>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, kColsSmemBytes);
-    k<<<persistent_grid(k, work, kColsSmemBytes), kThreads, kColsSmemBytes, stream>>>(p);
+    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    k<<<persistent_grid(k, blocks, smem), kThreads, smem, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -87,6 +87,29 @@ __device__ __forceinline__ uint32_t pack_codes_with_signs(const uint32_t (&c)[8]
   return __byte_perm(x_lo | (x_lo >> 4), x_hi | (x_hi >> 4), 0x6420);
 }
 
+// E2M1 codes with signs of the two bfloat16 values in w for the block scale byte sbyte (4 <= sbyte
+// < 255), in integer space: |x| clamped below at 2^(q-3) (everything below rounds to code 0
+// anyway), times 2^-q by subtracting q from both exponent fields (q = sbyte - 127; the clamp keeps
+// the results normal), saturated at 6, then rounded to the E2M1 grid by adding 2^(e + 6) in
+// bfloat16 (its ulp is the E2M1 step at exponent e = max(exponent, 0)); the sum's low bits count
+// the steps and 2e more steps give the code. No lane ever borrows from or carries into the other.
+// Result: the low element's code (sign in bit 3) in bits 0..3, the high one's in bits 16..19.
+__device__ __forceinline__ uint32_t e2m1_bf16_pair_codes(uint32_t w, uint32_t lowest, uint32_t shift) {
+  const uint32_t y = min_u16x2(max_u16x2(w & 0x7FFF7FFFu, lowest) - shift, 0x40C040C0u);
+  const uint32_t g = max_u16x2(y, 0x3F803F80u) & 0x7F807F80u;  // exponent field of max(y, 1)
+  const uint32_t magic = g + 0x03000300u;                       // times 2^6
+  const __nv_bfloat162 sum = __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&y),
+                                     *reinterpret_cast<const __nv_bfloat162*>(&magic));
+  const uint32_t code = *reinterpret_cast<const uint32_t*>(&sum) - g + (g >> 6) - 0x03FE03FEu;
+  return code | ((w >> 12) & 0x00080008u);  // signs (bits 15, 31) to bits 3, 19
+}
+
+// Four pair results (e2m1_bf16_pair_codes / e2m1_pair_codes layout) -> one word of 8 packed codes.
+__device__ __forceinline__ uint32_t pack_pair_codes(uint32_t p0, uint32_t p1, uint32_t p2, uint32_t p3) {
+  const uint32_t a = __byte_perm(p0, p1, 0x6420), b = __byte_perm(p2, p3, 0x6420);
+  return __byte_perm(a | (a >> 4), b | (b >> 4), 0x6420);
+}
+
 template <FloatInput kType>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const QuantizeMxfp4Params p) {
   const int lane = threadIdx.x & 31;
@@ -130,7 +153,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
             for (int i = 0; i < 8; ++i) c[i] = e2m1_magnitude_low_byte(__fmul_rn(fabsf(f[i]), inv));
             codes = pack_codes_with_signs(c, f);
           } else {
-            // 16-bit inputs: the scaled values are exact in float16, two codes per instruction.
+            // float16 inputs: the scaled values are exact in float16, two codes per instruction.
             const uint32_t w[4] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w};
             uint32_t y[4];
 #pragma unroll
@@ -151,6 +174,85 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
             for (int b = 0; b < 4; ++b) dst[b] = static_cast<uint8_t>(codes >> (8 * b));
           }
           if ((lane & 3) == 0) srow[item >> 2] = static_cast<uint8_t>(sbyte);
+        }
+      }
+    }
+  }
+}
+
+// BF16ToFP4Row for bfloat16 inputs: 16 elements (two 16-byte loads, half an MX block) per lane and
+// item, so a block's absolute maximum takes one shuffle and its scale byte is derived by 2 lanes.
+constexpr int kBf16Unroll = 2;  // items in flight per lane (64 bytes)
+
+__global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(const QuantizeMxfp4Params p) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const int items = p.hidden / 16;  // 2 items per MX block
+  const uintptr_t obase = reinterpret_cast<uintptr_t>(p.packed);
+  const bool aligned8 = ((p.packed_stride & 7) == 0) && ((obase & 7) == 0);
+  const bool aligned4 = ((p.packed_stride & 3) == 0) && ((obase & 3) == 0);
+  for (long long t = warp; t < p.tokens; t += num_warps) {
+    const long long orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
+    if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
+    const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * p.x_stride);
+    uint8_t* prow = p.packed + orow * p.packed_stride;
+    uint8_t* srow = p.scales + orow * p.scales_stride;
+    for (int base = 0; base < items; base += 32 * kBf16Unroll) {
+      uint4 raw[kBf16Unroll][2];
+#pragma unroll
+      for (int u = 0; u < kBf16Unroll; ++u) {
+        const int item = base + u * 32 + lane;
+        if (item < items) {
+          raw[u][0] = __ldcs(xrow + 2 * item);
+          raw[u][1] = __ldcs(xrow + 2 * item + 1);
+        } else {
+          raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBf16Unroll; ++u) {
+        const int item = base + u * 32 + lane;
+        const uint32_t w[8] = {raw[u][0].x, raw[u][0].y, raw[u][0].z, raw[u][0].w,
+                               raw[u][1].x, raw[u][1].y, raw[u][1].z, raw[u][1].w};
+        constexpr uint32_t kAbs = 0x7FFF7FFFu;
+        uint32_t m = max_u16x2(max_u16x2(max_u16x2(w[0] & kAbs, w[1] & kAbs), max_u16x2(w[2] & kAbs, w[3] & kAbs)),
+                               max_u16x2(max_u16x2(w[4] & kAbs, w[5] & kAbs), max_u16x2(w[6] & kAbs, w[7] & kAbs)));
+        m = max_u16x2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
+        const uint32_t amax = max(m << 16, m & 0xFFFF0000u);  // NaN and Inf sort above every finite value
+        const uint32_t sbyte = e2m1_scale_byte(amax, p.round_up);
+        uint2 codes = make_uint2(0, 0);  // a NaN/Inf block keeps all codes 0
+        if (sbyte != kUe8m0Nan) {
+          uint32_t pc[8];
+          if (sbyte >= 4u) {
+            const uint32_t lowest = (sbyte - 3u) * 0x00800080u;   // bits of 2^(q-3) in both lanes
+            const uint32_t shift = (sbyte - 127u) * 0x00800080u;  // q in both exponent fields
+#pragma unroll
+            for (int j = 0; j < 8; ++j) pc[j] = e2m1_bf16_pair_codes(w[j], lowest, shift);
+          } else {  // tiny blocks (scale 2^-124 and below): through float16, as for float16 inputs
+            const float inv = ue8m0_inverse(sbyte);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              pc[j] = e2m1_pair_codes(__fmul_rn(__uint_as_float((w[j] << 16) & 0x7FFF0000u), inv),
+                                      __fmul_rn(__uint_as_float(w[j] & 0x7FFF0000u), inv)) |
+                      ((w[j] >> 12) & 0x00080008u);
+            }
+          }
+          codes.x = pack_pair_codes(pc[0], pc[1], pc[2], pc[3]);
+          codes.y = pack_pair_codes(pc[4], pc[5], pc[6], pc[7]);
+        }
+        if (item < items) {
+          uint8_t* dst = prow + item * 8;
+          if (aligned8) {
+            *reinterpret_cast<uint2*>(dst) = codes;
+          } else if (aligned4) {
+            reinterpret_cast<uint32_t*>(dst)[0] = codes.x;
+            reinterpret_cast<uint32_t*>(dst)[1] = codes.y;
+          } else {
+#pragma unroll
+            for (int b = 0; b < 8; ++b) dst[b] = static_cast<uint8_t>((b < 4 ? codes.x : codes.y) >> (8 * (b & 3)));
+          }
+          if ((lane & 1) == 0) srow[item >> 1] = static_cast<uint8_t>(sbyte);
         }
       }
     }
@@ -228,7 +330,7 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
       break;
     }
     case FloatInput::kBFloat16: {
-      auto k = sm90_quantize_mxfp4_kernel<FloatInput::kBFloat16>;
+      auto k = sm90_quantize_mxfp4_bf16_kernel;
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }

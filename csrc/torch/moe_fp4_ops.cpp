@@ -265,6 +265,26 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(const Tensor& x) {
   return {out, out_scales};
 }
 
+// packed uint8 [N, H/2], scales uint8 [N, H/32] -> bfloat16 [N, H].
+Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
+  check_packed_scales(packed, scales);
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && packed.stride(0) % 4 == 0,
+              "packed: rows must be 4-byte aligned");
+  const c10::cuda::CUDAGuard guard(packed.device());
+  const int64_t n = packed.size(0), h = packed.size(1) * 2;
+  Tensor out = at::empty({n, h}, packed.options().dtype(at::kBFloat16));
+  moe_fp4::DequantizeMxfp4Params p{};
+  p.packed = packed.data_ptr<uint8_t>();
+  p.packed_stride = packed.stride(0);
+  p.scales = scales.data_ptr<uint8_t>();
+  p.scales_stride = scales.stride(0);
+  p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  p.rows = n;
+  p.hidden = static_cast<int>(h);
+  check_launch(moe_fp4::launch_dequantize_mxfp4_bf16(p, c10::cuda::getCurrentCUDAStream()), "dequantize_mxfp4");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -281,4 +301,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"));
   m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
+  m.def("dequantize_mxfp4_bf16", &dequantize_mxfp4_bf16, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
+        py::arg("scales"));
 }

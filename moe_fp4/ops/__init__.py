@@ -10,6 +10,7 @@ custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile t
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
   mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
   quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
+  dequantize_mxfp4             MXFP4 [..., H/2] + UE8M0 [..., H/32] -> bfloat16 (or float32/float16) [..., H]
   native_available, build      the extension: whether it is usable here; build/load it
 
 The extension is compiled with ninja through torch.utils.cpp_extension on first use on a CUDA
@@ -40,6 +41,7 @@ from moe_fp4.ops import build as _build_command  # noqa: F401  (loaded first: `b
 
 __all__ = [
     "build",
+    "dequantize_mxfp4",
     "mxfp4_rows_to_fp8_blockwise",
     "mxfp4_rows_to_fp8_cols",
     "mxfp4_to_fp8_blockwise",
@@ -251,3 +253,25 @@ def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     _float_rows(x, formats.FP8_GROUP)
     return _ops.quantize_fp8_blockwise_op(x)
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """MXFP4 -> floats: formats.dequantize_mxfp4 (exact in float32), then a cast to ``dtype``.
+
+    packed: uint8 [..., H/2] (element 2i in the low nibble); scales: uint8 [..., H/32] (UE8M0; 0xFF
+      decodes its block to NaN); H a multiple of 32.
+    dtype: torch.bfloat16 (native on CUDA for 2-D inputs with 4-byte aligned rows), torch.float32 or
+      torch.float16 (the spec).
+    Returns dtype [..., H]: the same bits as formats.dequantize_mxfp4(packed, scales, dtype=dtype).
+    """
+    check_tensor(packed, "packed", dtypes=(torch.uint8,), min_dim=1)
+    check_tensor(scales, "scales", dtypes=(torch.uint8,), min_dim=1)
+    _same_device(scales, packed, "scales")
+    if dtype not in _FLOATS:
+        raise ValueError(f"dtype: expected one of {_FLOATS}, got {dtype!r}")
+    h = packed.shape[-1] * 2
+    expected = (*packed.shape[:-1], h // 32)
+    if h % 32 or tuple(scales.shape) != expected:
+        raise ValueError(f"scales: expected shape {expected} for packed of shape {tuple(packed.shape)} "
+                         f"(packed's last dimension times 2 a multiple of 32), got {tuple(scales.shape)}")
+    return _ops.dequantize_mxfp4_op(packed, scales, dtype)

@@ -191,3 +191,21 @@ def quantize_fp8_blockwise_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 def _(x):
     t, h = x.shape
     return x.new_empty((t, h), dtype=FP8), x.new_empty((t, h // formats.FP8_GROUP), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{LIB}::dequantize_mxfp4", mutates_args=())
+def dequantize_mxfp4_op(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if (
+        dtype == torch.bfloat16
+        and packed.dim() == 2
+        and _native_for(packed)
+        and packed.data_ptr() % 4 == 0
+        and (packed.shape[0] <= 1 or packed.stride(0) % 4 == 0)
+    ):
+        return _native.module().dequantize_mxfp4_bf16(packed, scales)
+    return formats.dequantize_mxfp4(packed, scales, dtype=dtype)
+
+
+@dequantize_mxfp4_op.register_fake
+def _(packed, scales, dtype):
+    return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)

@@ -131,6 +131,14 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, rgroups), ns, reps)
         add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
 
+        # MXFP4 -> BF16
+        us = _median_us(lambda i: native.dequantize_mxfp4_bf16(q[i][0], q[i][1]), ns, reps)
+        extra = {}
+        if compile_spec and t == tokens[0]:
+            spec = torch.compile(lambda p, s: formats.dequantize_mxfp4(p, s, dtype=torch.bfloat16), dynamic=False)
+            extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, reps) / us
+        add("MXFP4->BF16 dequantize_mxfp4", shape, us, fp4_bytes + n_in, **extra)
+
         # BF16 -> FP8 1x128
         us = _median_us(lambda i: native.quantize_fp8_blockwise(xs[i]), ns, reps)
         extra = {}

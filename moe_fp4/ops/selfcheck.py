@@ -58,6 +58,11 @@ def run(device: str = "cuda") -> bool:
         want = formats.mxfp4_rows_to_fp8_cols(p, s, lens)
         for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, s, lens), want, ("data", "scales", "goffs")):
             ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} back to back {what}", got, w)
+        p[1, :4] = 0x88
+        bad = s.clone()
+        bad[0, 0], bad[1, 1], bad[2, :] = 0xFF, 254, 0
+        ok &= _same(f"dequantize_mxfp4 h={h}", ops.dequantize_mxfp4(p, bad),
+                    formats.dequantize_mxfp4(p, bad, dtype=torch.bfloat16))
         q, qs = ops.quantize_fp8_blockwise(x)
         qr, qsr = formats.quantize_fp8_blockwise(x, block=(1, 128))
         ok &= _same(f"quantize_fp8_blockwise h={h}", q, qr) & _same("  scales", qs, qsr)
