@@ -8,7 +8,8 @@ by design: backward sees ``dequantize_mxfp4(quantize_mxfp4(t))`` in place of ``t
 Eligible tensors: floating point (bfloat16, float16, float32), last dimension a multiple of 32, at
 least ``min_numel`` elements, and not a parameter (a leaf that requires grad) nor a view of one, so
 weights saved by linear layers stay exact. Everything else is kept as it is. Packing goes through
-``moe_fp4.ops.quantize_mxfp4`` (the native kernel on CUDA, the spec elsewhere).
+``moe_fp4.ops.quantize_mxfp4`` and unpacking through ``moe_fp4.ops.dequantize_mxfp4`` (native kernels
+on a Hopper GPU, BF16 activations for the unpack; the spec elsewhere, in row slices).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from moe_fp4 import ops
-from moe_fp4.formats import dequantize_mxfp4
 
 ELIGIBLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _UNPACK_CHUNK_ELEMENTS = 1 << 22
@@ -99,10 +99,13 @@ class mxfp4_activation_cache(torch.autograd.graph.saved_tensors_hooks):
         if not isinstance(obj, _Packed):
             return obj
         rows, half = obj.packed.shape
+        if obj.dtype == torch.bfloat16 and obj.packed.is_cuda and ops.native_available():
+            # the native MXFP4 -> BF16 kernel: no temporaries beyond the output
+            return ops.dequantize_mxfp4(obj.packed, obj.scales, dtype=obj.dtype).reshape(obj.shape)
         out = torch.empty(rows, 2 * half, dtype=obj.dtype, device=obj.packed.device)
-        # Dequantize a slice of rows at a time: the spec's temporaries (about 20 bytes per element)
+        # Elsewhere the spec, a slice of rows at a time: its temporaries (about 20 bytes per element)
         # must not outgrow the bytes the cache saves.
         step = max(1, _UNPACK_CHUNK_ELEMENTS // (2 * half))
         for r in range(0, rows, step):
-            out[r:r + step] = dequantize_mxfp4(obj.packed[r:r + step], obj.scales[r:r + step], dtype=obj.dtype)
+            out[r:r + step] = ops.dequantize_mxfp4(obj.packed[r:r + step], obj.scales[r:r + step], dtype=obj.dtype)
         return out.reshape(obj.shape)
