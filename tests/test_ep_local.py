@@ -359,6 +359,14 @@ def check_copy_rows_and_peer_sums():
     chunk = torch.tensor([0, 1, 0, 1, 1])
     part = tr.copy_rows(torch.zeros(5, 96, dtype=torch.uint8), idx, rank, bases, chunk, 1)
     assert torch.equal(part[chunk == 1], want[chunk == 1]) and not part[chunk == 0].any()
+    # many rows: several persistent programs, several steps each, one chunk of three
+    big = [torch.randint(0, 256, (700, 40), dtype=torch.uint8) for _ in range(3)]
+    idx3, rank3 = torch.randint(0, 700, (2500,)), torch.randint(0, 3, (2500,))
+    chunk3 = torch.randint(0, 3, (2500,))
+    want3 = torch.stack([big[r][i] for i, r in zip(idx3.tolist(), rank3.tolist())])
+    got3 = tr.copy_rows(torch.zeros(2500, 40, dtype=torch.uint8), idx3, rank3,
+                        torch.tensor([b_.data_ptr() for b_ in big], dtype=torch.int64), chunk3, 2)
+    assert torch.equal(got3[chunk3 == 2], want3[chunk3 == 2]) and not got3[chunk3 != 2].any()
     odd = tr.copy_rows(torch.empty(5, 17, dtype=torch.uint8), idx, rank,
                        torch.tensor([a.data_ptr(), b.data_ptr()], dtype=torch.int64))
     assert torch.equal(odd, torch.stack([(a, b)[r].reshape(-1)[i * 17:(i + 1) * 17]

@@ -102,19 +102,25 @@ if triton is not None:
                 tl.store(scales_ptr + r * n_groups + g, bits, mask=gmask)
 
     @triton.jit
-    def _copy_rows_kernel(out_ptr, index_ptr, rank_ptr, bases_ptr, chunk_ptr, chunk, words,
-                          BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        if CHUNKED:
-            if tl.load(chunk_ptr + i) != chunk:
-                return
-        r = tl.load(rank_ptr + i)
-        src_row = tl.load(index_ptr + i)
-        base = tl.load(bases_ptr + r).to(out_ptr.dtype)  # the source buffer, read as out's words
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < words
-        v = tl.load(base + src_row * words + cols, mask=mask)
-        tl.store(out_ptr + i * words + cols, v, mask=mask)
+    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, chunk_ptr, chunk, n, words, programs,
+                          WORD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+        # persistent: a few programs loop over the rows, ROWS whole rows per step, so that many loads
+        # are in flight (NVLink latency) while most SMs stay free for the encoder running beside it
+        start = tl.program_id(0) * ROWS
+        cols = tl.arange(0, BLOCK)
+        while start < n:
+            i = start + tl.arange(0, ROWS)
+            valid = i < n
+            if CHUNKED:
+                valid = valid & (tl.load(chunk_ptr + i, mask=valid, other=-1) == chunk)
+            r = tl.load(rank_ptr + i, mask=valid, other=0)
+            src = tl.load(index_ptr + i, mask=valid, other=0)
+            # each source buffer as an offset from out, in words (both addresses are word-aligned)
+            rel = (tl.load(bases_ptr + r, mask=valid, other=out_addr) - out_addr) // WORD + src * words
+            m = valid[:, None] & (cols[None, :] < words)
+            v = tl.load(out_ptr + rel[:, None] + cols[None, :], mask=m)
+            tl.store(out_ptr + i[:, None].to(tl.int64) * words + cols[None, :], v, mask=m)
+            start += programs * ROWS
 
 
 _LUT_ROWS = 20  # scale differences 0..19; from 19 on every E2M1 value rounds to zero in E4M3
@@ -205,12 +211,23 @@ def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, ba
         return out
     word = torch.int32 if width % 4 == 0 else torch.uint8
     words = width // word.itemsize
-    block = min(1024, triton.next_power_of_2(words))
-    grid = (n, triton.cdiv(words, block))
+    block = triton.next_power_of_2(words)
+    rows = max(1, 8192 // block)
+    programs = min(triton.cdiv(n, rows), _copy_programs(out.device))
     chunks = row_chunk if row_chunk is not None else index
-    _copy_rows_kernel[grid](out.view(word), index, src_rank, bases, chunks, chunk, words, BLOCK=block,
-                            CHUNKED=row_chunk is not None, num_warps=4)
+    _copy_rows_kernel[(programs,)](out.view(word), out.data_ptr(), index, src_rank, bases, chunks, chunk, n, words,
+                                   programs, WORD=word.itemsize, ROWS=rows, BLOCK=block,
+                                   CHUNKED=row_chunk is not None, num_warps=8)
     return out
+
+
+COPY_SM_SHARE = 4  # the row copies run as (SM count / 4) persistent programs
+
+
+def _copy_programs(device) -> int:
+    if device.type != "cuda":
+        return 4
+    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // COPY_SM_SHARE)
 
 
 __all__ = ["available", "copy_rows", "mxfp4_rows_to_fp8_gather", "mxfp4_rows_to_fp8_scatter", "shift_table"]

@@ -50,7 +50,7 @@ def _parse(argv):
     p.add_argument("--world", type=int, default=None, help="processes to start when not under torchrun")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
-                   "nccl,symm; CPU: gloo)")
+                   "nccl,symm; CPU: gloo); symm:N is symm with N encode slices")
     p.add_argument("--chunks", type=int, default=4, help="encode slices of the symm backend's dispatch")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
                    "transfer, conversions, combine kernels) at the largest token count")
@@ -66,7 +66,7 @@ def _parse(argv):
     a.backends = [b for b in (a.backends or ("nccl,symm" if a.backend == "nccl" else a.backend)).split(",") if b]
     usable = ("nccl", "symm") if a.backend == "nccl" else ("gloo",)
     for b in a.backends:
-        if b not in usable:
+        if b.split(":")[0] not in usable or (":" in b and not b.split(":")[1].isdigit()):
             p.error(f"--backends: expected some of {usable} with the {a.backend} process group, got {b!r}")
     for f in a.formats:
         if f not in FORMATS:
@@ -156,10 +156,11 @@ def _run(args) -> list[dict]:
     plain = Buffer(args.experts, payload="bf16", backend=TorchDistributedBackend())
     bufs = {}
     for b in args.backends:
-        if b == "symm":
+        if b.startswith("symm"):
             from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-            bufs[b] = Buffer(args.experts, payload="bf16", backend=SymmetricMemoryBackend(chunks=args.chunks))
+            chunks = int(b.split(":")[1]) if ":" in b else args.chunks
+            bufs[b] = Buffer(args.experts, payload="bf16", backend=SymmetricMemoryBackend(chunks=chunks))
         else:
             bufs[b] = plain
     rows_out = []
@@ -207,7 +208,8 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
                                                                                    plan["recv_rank"], b.bases))),
         ("device barrier", timer(lambda: b.barrier(0))),
         ("FP8 per received token (native)", timer(lambda: codec.to_fp8_blockwise(recv, hidden))),
-        ("FP8 expert rows, fused Triton gather", timer(lambda: codec.gather_fp8_blockwise(recv, hidden, h.expand_row))),
+        ("FP8 expert rows, fused Triton conversion + expansion", timer(lambda: codec.expand_fp8_blockwise(
+            recv, hidden, h.slot_table, h.num_rows, h.expand_row))),
         ("FP8 expert rows, native + gather", timer(lambda: PayloadCodec.gather_fp8_blockwise(codec, recv, hidden,
                                                                                              h.expand_row))),
         ("combine: local partial sums", timer(lambda: _triton_combine.gather_sum(y, h.slot_table, h.recv_topk_weights,

@@ -62,7 +62,8 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self._buffer = None
         self._handle = None
         self.bases = None  # int64 [W]: each rank's staging buffer address, as seen from this GPU
-        self.side_stream = torch.cuda.Stream(self.device)
+        # high priority: the row copies get SMs as soon as they free up, beside the encoder
+        self.side_stream = torch.cuda.Stream(self.device, priority=-1)
 
     def usable(self, t: torch.Tensor) -> bool:
         """The direct path needs the Triton kernels (else the NCCL collectives are used)."""
