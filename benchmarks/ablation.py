@@ -16,9 +16,13 @@ Data: byte-level tokens (vocabulary 256) of the .py files of this Python's stand
 sorted path order; the last 5% of the bytes are held out.
 
 Usage:
-  python benchmarks/ablation.py --out DIR --steps N [--seeds 0,1,2] [--jobs 3] [--runs bf16,mxfp8_up]
-      trains; with --jobs > 1 the seeds run in that many concurrent processes (the GPU is far from
-      busy with one launch-bound process), each writing DIR/seed_<s>/runs.json; then the report.
+  python benchmarks/ablation.py --out DIR --steps N [--seeds 0,1,2] [--jobs 7] [--runs bf16,mxfp8_up]
+                                [--deadline SECONDS]
+      trains; with --jobs > 1 the configurations run in that many concurrent processes (one
+      process per configuration, all seeds in turn: each process compiles only its own recipe's
+      quantizers, and the GPU is far from busy with one launch-bound process), each writing
+      DIR/<configuration>/runs.json; then the report. A run that would end after --deadline seconds
+      is stopped and left out (the report says which runs exist).
   python benchmarks/ablation.py --out DIR --step-times [--runs ...]
       seconds per training step of each configuration, compiled and eager quantizers (first step,
       which compiles, timed apart), and a torch.profiler table of one step of each kind.
@@ -166,6 +170,10 @@ def eval_loss(model, eval_data, args, device) -> float:
     return float(total) / args.eval_batches
 
 
+class DeadlineReached(Exception):
+    pass
+
+
 def train(name, recipe, args, train_data, eval_data, steps, seed, device):
     model, report = build(recipe, args, seed, device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
@@ -187,6 +195,8 @@ def train(name, recipe, args, train_data, eval_data, steps, seed, device):
         opt.step()
         sched.step()
         losses.append(loss.detach())
+        if args.deadline_at and step % 25 == 0 and time.time() > args.deadline_at:
+            raise DeadlineReached(f"{name} seed {seed}: deadline reached at step {step} of {steps}")
         if step in evals_at and step != steps:
             evals[step] = eval_loss(model, eval_data, args, device)
     if device.type == "cuda":
@@ -333,7 +343,7 @@ def summarize(runs: list[dict]) -> list[dict]:
 def write_report(runs, meta, out: Path):
     rows = summarize(runs)
     (out / "ablation.json").write_text(json.dumps({"meta": meta, "summary": rows, "runs": runs}, indent=1))
-    n = len(rows[0]["seeds"]) if rows else 0
+    n = max((len(r["seeds"]) for r in rows), default=0)
     lines = [f"| run | held-out eval loss, mean ± sd ({n} seeds) | eval vs BF16, paired by seed: mean ± sd "
              f"| per-seed eval vs BF16 | train loss (last 10%) vs BF16 | s/step |",
              "|---|---|---|---|---|---|"]
@@ -344,7 +354,8 @@ def write_report(runs, meta, out: Path):
         per = ", ".join(f"{v:+.2f}%" for v in r["eval_vs_bf16_pct"])
         rel = "—" if r["name"] == "bf16" else f"{pm:+.2f}% ± {psd:.2f}"
         rel_t = "—" if r["name"] == "bf16" else f"{tm:+.2f}% ± {tsd:.2f}"
-        lines.append(f"| {r['name']}{'' if r['finite'] else ' (NaN)'} | {m:.4f} ± {sd:.4f} | {rel} | "
+        note = ("" if r["finite"] else " (NaN)") + ("" if len(r["seeds"]) == n else f" ({len(r['seeds'])} seeds)")
+        lines.append(f"| {r['name']}{note} | {m:.4f} ± {sd:.4f} | {rel} | "
                      f"{per if r['name'] != 'bf16' else '—'} | {rel_t} | {r['s_per_step']:.4f} |")
     (out / "ablation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
@@ -423,7 +434,9 @@ def parse(argv):
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--seeds", default="0,1,2", help="comma-separated seed indices")
-    p.add_argument("--jobs", type=int, default=1, help="concurrent processes (one per seed)")
+    p.add_argument("--jobs", type=int, default=1, help="concurrent processes (one per configuration)")
+    p.add_argument("--deadline", type=float, default=0.0, help="seconds from now after which no run goes on")
+    p.add_argument("--deadline-at", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -448,6 +461,8 @@ def parse(argv):
     if unknown:
         p.error(f"--runs: unknown configurations {sorted(unknown)}; choose from {CONFIGS}")
     args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    if args.deadline and not args.deadline_at:
+        args.deadline_at = time.time() + args.deadline
     return args
 
 
@@ -471,20 +486,20 @@ def main(argv=None) -> int:
     data, root, nfiles = stdlib_bytes()
     meta = meta_of(args, device, root, nfiles, int(data.numel()), argv)
 
-    if args.report_only or (args.jobs > 1 and len(args.seed_list) > 1):
-        if not args.report_only:  # one process per seed, then the report from their files
+    if args.report_only or (args.jobs > 1 and len(args.runs) > 1):
+        if not args.report_only:  # one process per configuration, then the report from their files
             base = [a for a in (sys.argv[1:] if argv is None else argv)]
             procs = []
-            for s in args.seed_list:
-                cmd = [sys.executable, __file__, *base, "--seeds", str(s), "--jobs", "1", "--no-report",
-                       "--out", str(args.out / f"seed_{s}")]
+            for name in args.runs:
+                cmd = [sys.executable, __file__, *base, "--runs", name, "--jobs", "1", "--no-report",
+                       "--deadline-at", str(args.deadline_at), "--out", str(args.out / name)]
                 procs.append(subprocess.Popen(cmd))
                 if len(procs) >= args.jobs:
                     procs.pop(0).wait()
             for proc in procs:
                 proc.wait()
         runs = []
-        for f in sorted(args.out.glob("seed_*/runs.json")):
+        for f in sorted(args.out.glob("*/runs.json")):
             part = json.loads(f.read_text())
             runs += part["runs"]
             meta.setdefault("workers", []).append(part["meta"])
@@ -508,9 +523,19 @@ def main(argv=None) -> int:
 
     runs = []
     configs = recipes(args.gemm_dtype, args.quantizer)
+    stopped = False
     for seed in args.seed_list:
+        if stopped:
+            break
         for name in [n for n in CONFIGS if n in args.runs]:
-            r = train(name, configs[name], args, train_data, eval_data, args.steps, seed, device)
+            try:
+                r = train(name, configs[name], args, train_data, eval_data, args.steps, seed, device)
+            except DeadlineReached as err:
+                print(f"stopped: {err}", flush=True)
+                meta.setdefault("stopped", []).append(str(err))
+                (args.out / "runs.json").write_text(json.dumps({"meta": meta, "runs": runs}))
+                stopped = True
+                break
             print(f"seed {seed} {name}: eval {r['eval']:.4f} train {r['final_train']:.4f} "
                   f"({r['seconds']:.1f} s, {r['s_per_step']:.4f} s/step)", flush=True)
             runs.append(r)

@@ -5,8 +5,12 @@
 #       step times per configuration, compiled and eager quantizers, and a torch.profiler table
 #       (step_times.{md,json}); the GPU tests (tests/test_recipes_gpu.py); the raw torch._scaled_mm
 #       layout probe (scaled_mm_layouts.md)
-#   MODE=ablation STEPS=600 SEEDS=0,1,2 JOBS=3 bash benchmarks/run_gpu_recipes.sh
-#       QuantLinear throughput (bench_quantlinear.{md,json}), then the ablation (ablation.{md,json,png})
+#   MODE=ablation STEPS=400 SEEDS=0,1,2 DEADLINE=230 bash benchmarks/run_gpu_recipes.sh   (about 6 minutes)
+#       the ablation (ablation.{md,json,png}; one process per configuration, compiled quantizers) in the
+#       background while the GPU tests run (the blockwise FP8 GEMM ones, then compiled == eager for the
+#       ablation's operand kinds); afterwards, with the compiler caches warm, the step times
+#       (step_times.{md,json})
+#   MODE=bench bash benchmarks/run_gpu_recipes.sh   QuantLinear throughput (bench_quantlinear.{md,json})
 # The compiler caches live in .out/recipes_inductor (TORCHINDUCTOR_CACHE_DIR); with CACHE_TGZ=1 they
 # are packed into $OUT/inductor_cache.tgz, so that a later call can carry them and skip compiling.
 set -uo pipefail
@@ -34,17 +38,30 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.out/reci
     echo "== raw torch._scaled_mm layouts"
     timeout 60 python3 benchmarks/bench_quantlinear.py --out "$OUT" --probe-layouts 2>&1
     echo "rc=$?"
+  elif [ "$MODE" = ablation ]; then
+    export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}
+    echo "== ablation (background: $OUT/ablation.log)"
+    python3 benchmarks/ablation.py --out "$OUT/abl" --steps "${STEPS:-400}" --seeds "${SEEDS:-0,1,2}" --jobs 7 \
+      --deadline "${DEADLINE:-230}" >"$OUT/ablation.log" 2>&1 &
+    ABL=$!
+    echo "== GPU tests: blockwise FP8 GEMM"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_recipes_gpu.py -k "scaled_mm or autocast" 2>&1 | tail -n 30
+    echo "rc=${PIPESTATUS[0]}"; date -u
+    echo "== GPU tests: compiled == eager spec, the ablation's operand kinds"
+    timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_recipes_gpu.py \
+      -k "test_compiled_quantizers_match_eager_spec and bfloat16 or test_compiled_fp8_quantizer" 2>&1 | tail -n 40
+    echo "rc=${PIPESTATUS[0]}"; date -u
+    wait $ABL
+    echo "ablation rc=$?"; date -u
+    grep -v "^W1" "$OUT/ablation.log" | grep -E "seed|stopped|\\|" | tail -n 40
+    mv "$OUT/abl/ablation."* "$OUT/" 2>/dev/null; rm -rf "$OUT/abl"
+    echo "== step times (compiler caches warm)"
+    timeout "${STEP_TIMES_S:-70}" python3 benchmarks/ablation.py --out "$OUT" --step-times --time-steps 5 2>&1 | grep -v "^W1" | head -n 40
+    echo "rc=${PIPESTATUS[0]}"
   else
     echo "== QuantLinear throughput"
-    timeout "${BENCH_S:-120}" python3 benchmarks/bench_quantlinear.py --out "$OUT" --reps 5 2>&1 | grep -v "^W1"
-    echo "rc=${PIPESTATUS[0]}"; date -u
-    echo "== ablation"
-    timeout "${ABLATION_S:-400}" python3 benchmarks/ablation.py --out "$OUT" --steps "${STEPS:-600}" \
-      --seeds "${SEEDS:-0,1,2}" --jobs "${JOBS:-3}" 2>&1 | grep -v "^W1"
+    timeout "${BENCH_S:-300}" python3 benchmarks/bench_quantlinear.py --out "$OUT" --reps 5 2>&1 | grep -v "^W1"
     echo "rc=${PIPESTATUS[0]}"
-    # no partial report when the workers were cut short: build it from what they wrote
-    [ -f "$OUT/ablation.md" ] || python3 benchmarks/ablation.py --out "$OUT" --report-only --steps "${STEPS:-600}" \
-      --seeds "${SEEDS:-0,1,2}" 2>&1 | tail -n 12
   fi
   date -u
   du -sh .out/recipes_inductor

@@ -163,12 +163,13 @@ def _need_sm90():
 
 
 def _assert_close_to_reference(out, ref, what):
-    """BF16 output: within half a BF16 ulp (2^-8 relative) of the exact product of the quantized
-    operands, plus a small absolute term for accumulation order in cancelling sums. A wrong scale
-    layout is off by factors of two or more."""
+    """BF16 output: within 2^-8 (relative) of the float32 product of the dequantized operands, plus
+    2^-12 of the largest output for the FP8 tensor cores' accumulation (about 14 bits within a block
+    of 128 products on Hopper) in cancelling sums. A wrong scale layout is off by 40-60% of the
+    largest output (measured on an H200 for K/128 % 4 != 0 with unpadded 128x128 scales)."""
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape, what
     err = (out.float() - ref).abs()
-    bound = ref.abs() * 2.0 ** -8 + 1e-5 * float(ref.abs().max())
+    bound = ref.abs() * 2.0 ** -8 + 2.0 ** -12 * float(ref.abs().max())
     bad = err > bound
     assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {bad.numel()} elements off; max relative error "
                                  f"{float((err / ref.abs().clamp_min(1e-30)).max()):.3g}")

@@ -6,8 +6,10 @@ six operands per layer and step; on a GPU the launches, not the arithmetic, are 
 training step costs. Compiled, the same functions fuse into a few kernels.
 
 What is compiled: the spec's own quantize -> dequantize of one operand (the functions ``qdq_*``
-below, nothing re-implemented), with ``torch.compile(dynamic=True)``: one compiled graph per operand
-kind (format, rounding, block shape) serves every tensor shape. The spec's argument checks that read
+below, nothing re-implemented), with ``torch.compile(dynamic=False)``: one set of graphs per operand
+kind (format, rounding, block shape) and shape; operands are made contiguous first, so a transposed
+view compiles no second variant. (Dynamic shapes were tried: torch 2.11 fails to trace the spec's
+``1 << (ebits + mbits)`` once the format's integers become symbolic.) The spec's argument checks that read
 tensor values (e.g. ``int(codes.max())``) and the draws of random bits for stochastic rounding
 (``torch.randint`` with the layer's generator) split the compiled code into a few graphs; they run
 eagerly between them, so the random bits are the very bits of the eager spec.
@@ -143,7 +145,7 @@ def _compiled(fn: Callable) -> Callable:
         if fn not in _COMPILED:
             if not _COMPILED:
                 _configure_dynamo()
-            _COMPILED[fn] = torch.compile(fn, dynamic=True)
+            _COMPILED[fn] = torch.compile(fn, dynamic=False)
         return _COMPILED[fn]
 
 
@@ -184,13 +186,14 @@ def run_quantizer(quantizer: str, fn: Callable, t: torch.Tensor, generator: torc
     ``quantizer`` says for ``t``'s device. Returns what ``fn`` returns, bit for bit."""
     if not use_compiled(quantizer, t.device):
         return fn(t, generator, *args)
+    t = t.contiguous()  # one compiled variant per shape, whatever the strides (the values are the same)
     if not VERIFY_FIRST_USE:
         return _compiled(fn)(t, generator, *args)
     kind = (fn, args)
     state = _STATUS.get(kind)
     if isinstance(state, str):
         return fn(t, generator, *args)
-    key = (kind, tuple(t.shape), t.stride(), t.dtype, str(t.device), generator is None)
+    key = (kind, tuple(t.shape), t.dtype, str(t.device), generator is None)
     if state is True and key in _CHECKED:
         return _compiled(fn)(t, generator, *args)
     # First use of this kind for this shape: run both, keep the eager spec's result if they differ.
