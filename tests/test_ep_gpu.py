@@ -199,39 +199,6 @@ def case_symm_sync_budget(ctx, seed):
     return tuple(combined.shape)
 
 
-def test_backend_is_nccl(pool):
-    assert pool.run(case_backend_is_nccl) == ["nccl", "nccl"]
-
-
-@pytest.mark.parametrize("scenario", SCENARIOS)
-def test_roundtrip_bf16_nccl(pool, scenario):
-    pool.run(case_roundtrip_bf16, fresh_seed(), scenario)
-
-
-@pytest.mark.parametrize("payload", ["mxfp4", "fp8", "nvfp4", "bf16"])
-def test_received_rows_equal_spec_nccl(pool, payload):
-    pool.run(case_payload_rows, fresh_seed(), payload)
-
-
-@pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16"])
-def test_deepseek_rows_equal_spec_nccl(pool, payload):
-    pool.run(case_large_rows, fresh_seed(), payload, 7168, 128)
-
-
-@pytest.mark.parametrize("backward_payload", ["bf16", "fp8"])
-def test_autograd_nccl(pool, backward_payload):
-    pool.run(case_autograd, fresh_seed(), backward_payload)
-
-
-def test_errors_nccl(pool):
-    pool.run(case_errors, fresh_seed())
-
-
-def test_sync_budget_nccl(pool):
-    res = pool.run(case_sync_budget, fresh_seed())
-    assert all(r[0] == 1 for r in res), res
-
-
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
 @pytest.mark.parametrize("chunks", [1, 4])
 def test_symm_matches_nccl(pool, payload, chunks):
@@ -263,3 +230,36 @@ def test_fused_conversion_matches_spec_gpu(hidden):
     wide[:, :rows.shape[1]] = rows
     d2, _ = _triton_rows.mxfp4_rows_to_fp8_gather(wide[:, :rows.shape[1]], hidden, index)
     assert_bitwise_equal(d2, want_d, "fp8 data from strided rows")
+
+
+def test_backend_is_nccl(pool):
+    assert pool.run(case_backend_is_nccl) == ["nccl", "nccl"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_roundtrip_bf16_nccl(pool, scenario):
+    pool.run(case_roundtrip_bf16, fresh_seed(), scenario)
+
+
+@pytest.mark.parametrize("payload", ["mxfp4", "fp8", "nvfp4", "bf16"])
+def test_received_rows_equal_spec_nccl(pool, payload):
+    pool.run(case_payload_rows, fresh_seed(), payload)
+
+
+@pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16"])
+def test_deepseek_rows_equal_spec_nccl(pool, payload):
+    pool.run(case_large_rows, fresh_seed(), payload, 7168, 128)
+
+
+@pytest.mark.parametrize("backward_payload", ["bf16", "fp8"])
+def test_autograd_nccl(pool, backward_payload):
+    pool.run(case_autograd, fresh_seed(), backward_payload)
+
+
+def test_errors_nccl(pool):
+    pool.run(case_errors, fresh_seed())
+
+
+def test_sync_budget_nccl(pool):
+    res = pool.run(case_sync_budget, fresh_seed())
+    assert all(r[0] == 1 for r in res), res

@@ -430,8 +430,14 @@ def check_direct_path_in_a_world_of_one():
         assert backend.barriers == [0] + list(range(1, want_chunks + 1)), backend.barriers
         y = (ref.values() * 2).to(torch.bfloat16)
         for wire in ("bf16", "fp8", "mxfp4"):
-            want = Buffer(4).combine(y, ref.handle, payload=wire)
-            assert_bitwise_equal(buf.combine(y, got.handle, payload=wire), want, f"combine over {wire}")
+            for weighted in (True, False):
+                backend.barriers.clear()
+                want = Buffer(4).combine(y, ref.handle, payload=wire, weighted=weighted)
+                have = buf.combine(y, got.handle, payload=wire, weighted=weighted)
+                assert_bitwise_equal(have, want, f"combine over {wire}, weighted={weighted}")
+                # the bf16 wire is pipelined in slices, each behind its own barrier
+                steps = chunks if wire == "bf16" and chunks > 1 else 1
+                assert backend.barriers == [0] + list(range(1, steps + 1)), (wire, backend.barriers)
 
 
 def test_direct_path_in_a_world_of_one_interpreted():

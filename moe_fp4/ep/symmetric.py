@@ -217,6 +217,8 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     backend.ensure_capacity(max(n_recv_per_rank) * width)
     backend.barrier(0)
     staging = backend.staging(handle.num_recv_tokens, width)
+    if bf16_wire and backend.chunks > 1:
+        return _pipelined_bf16_combine(backend, y, handle, weights, staging.view(torch.bfloat16), plan)
     if bf16_wire:
         _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16,
                                    out=staging.view(torch.bfloat16))
@@ -230,6 +232,35 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     _triton_rows.copy_rows(back, plan["send_peer_row"], plan["send_rank"], backend.bases)
     values = codec.decode(back, hidden)
     return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
+
+
+def _pipelined_bf16_combine(backend, y, handle, weights, staging, plan) -> torch.Tensor:
+    """The bf16 combine in ``chunks`` slices: slice c of the partial sums (received tokens whose
+    source token is in the source's slice c) is written on the main stream while, on the side
+    stream, each rank sums its tokens of slice c - 1 out of the peers' buffers."""
+    hidden = y.shape[1]
+    out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=y.device)
+    cuda = y.is_cuda  # (CPU: the Triton interpreter in tests, no streams)
+    main = torch.cuda.current_stream(y.device) if cuda else None
+    side = backend.side_stream if cuda else None
+    if cuda:
+        side.wait_stream(main)
+    for c, (lo, hi) in enumerate(chunk_bounds(handle.num_tokens, backend.chunks)):
+        _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16, out=staging,
+                                   row_chunk=plan["recv_chunk"], chunk=c)
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(main)
+        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
+            if cuda:
+                side.wait_event(ready)
+            backend.barrier(1 + c)  # slice c of the partial sums is written on every rank
+            if hi > lo:
+                _triton_combine.decode_sum(backend.bases, plan["peer_rank_table"][lo:hi], hidden, "bf16",
+                                           out=out[lo:hi])
+    if cuda:
+        main.wait_stream(side)
+    return out
 
 
 __all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows"]
