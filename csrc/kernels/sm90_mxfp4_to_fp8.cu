@@ -115,9 +115,8 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
       for (int u = 0; u < kRowUnroll; ++u) {
         const int item = base + u * 32 + lane;
         if (item >= items) continue;
-        uint32_t m = __vmaxu4(s4[u], s4[u] >> 16);
-        m = __vmaxu4(m, m >> 8);
-        const uint32_t emax = m & 0xFFu;
+        const uint32_t m = max_u16x2(s4[u] & 0x00FF00FFu, (s4[u] >> 8) & 0x00FF00FFu);
+        const uint32_t emax = max(m & 0xFFFFu, m >> 16);  // the group's largest scale byte
         uint4 o = make_uint4(0, 0, 0, 0);  // NaN group: zero data
         if (emax != kUe8m0Nan) {
           const uint32_t e = (s4[u] >> (8 * ((item >> 1) & 3))) & 0xFFu;
