@@ -62,14 +62,13 @@ if triton is not None:
         for r in tl.static_range(W):
             row = tl.load(table_ptr + t * W + r)
             if row >= 0:
-                base = tl.load(bases_ptr + r).to(tl.pointer_type(tl.uint8)) + row * row_bytes
+                addr = tl.load(bases_ptr + r) + row * row_bytes  # the row's address (int64)
+                base = addr.to(tl.pointer_type(tl.uint8))
                 if WIRE == 0:  # bf16 values
-                    v = tl.load(base.to(tl.pointer_type(tl.bfloat16), bitcast=True) + cols, mask=mask,
-                                other=0.0).to(tl.float32)
+                    v = tl.load(addr.to(tl.pointer_type(tl.bfloat16)) + cols, mask=mask, other=0.0).to(tl.float32)
                 elif WIRE == 1:  # fp8: E4M3 [H], then FP32 scales [H/128]
                     q = tl.load(base + cols, mask=mask, other=0).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                    sc = tl.load((base + hidden).to(tl.pointer_type(tl.float32), bitcast=True) + cols // 128,
-                                 mask=mask, other=0.0)
+                    sc = tl.load((addr + hidden).to(tl.pointer_type(tl.float32)) + cols // 128, mask=mask, other=0.0)
                     v = q * sc
                 else:  # mxfp4: packed E2M1 [H/2], then UE8M0 scales [H/32]
                     byte = tl.load(base + cols // 2, mask=mask, other=0).to(tl.int32)
