@@ -1,10 +1,10 @@
 // Direct MXFP4 -> FP8 conversions (formats.convert):
-//   FP4RowToFP8Row: one warp per row, one MX block (16 packed bytes) per lane and item; the E4M3 byte
-//     of each E2M1 code comes from a byte permute over a small remap table indexed by the block's
-//     shift below the group's largest scale (no float arithmetic).
-//   FP4RowToFP8Col: tiles of 128 tokens x 128 hidden per CTA: dequantize (exact, as bf16) into a
-//     swizzled shared-memory tile, then each thread reads 16 tokens of two hidden columns, reduces the
-//     column maximum over the 128 tokens with warp shuffles and writes 16 E4M3 bytes per column.
+//   FP4RowToFP8Row: one warp per row, half an MX block (8 packed bytes in, one 16-byte store out) per
+//     lane and item; the E4M3 byte of each E2M1 code comes from a byte permute over a small remap
+//     table indexed by the block's shift below the group's largest scale (no float arithmetic).
+//   FP4RowToFP8Col: independent warp tasks of one scale group (<= 128 rows of one expert) times one
+//     MX block column (32 hidden columns), one launch over every expert's groups (the group of a task
+//     found on the device from the split lengths); see the kernel's comment.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 
@@ -316,6 +316,60 @@ __device__ __forceinline__ void store_bytes8(uint8_t* dst, uint2 v, int n) {
   }
 }
 
+// 64 bytes of one output column (8 per lane, lanes tb = 0..7 of an aligned group of 8 consecutive
+// lanes; every lane of the warp must call this, it shuffles) to col, any alignment; nvalid: how many
+// of the 64 belong to the group (the rest are another segment's). A whole unaligned half is realigned
+// across the 8 lanes: lane tb writes the aligned 8-byte word starting inside its chunk (its last r
+// bytes, the next lane's first 8 - r), lane 0 also the head before the first boundary and lane 7 the
+// tail after the last, both as a few naturally aligned stores.
+__device__ __forceinline__ void store_column_half(uint8_t* col, uint2 v, int tb, int nvalid) {
+  const int r = static_cast<int>(reinterpret_cast<uintptr_t>(col) & 7);
+  const unsigned long long x = (static_cast<unsigned long long>(v.y) << 32) | v.x;
+  const unsigned long long nx = __shfl_down_sync(0xFFFFFFFFu, x, 1);
+  if (nvalid < 64) {  // the group's last rows: byte ranges, no realignment
+    store_bytes8(col + 8 * tb, v, min(8, nvalid - 8 * tb));
+    return;
+  }
+  if (r == 0) {
+    *reinterpret_cast<uint2*>(col + 8 * tb) = v;
+    return;
+  }
+  if (tb < 7) {
+    const unsigned long long w = (x >> (8 * (8 - r))) | (nx << (8 * r));
+    *reinterpret_cast<unsigned long long*>(col + 8 * tb + 8 - r) = w;
+  }
+  if (tb == 0) {  // bytes 0 .. 7-r of the chunk end the aligned word that holds col: offsets r .. 7
+    const int len = 8 - r;
+    unsigned long long y = x;
+    uint8_t* d = col;
+    if (len & 1) {
+      *d = static_cast<uint8_t>(y);
+      y >>= 8;
+      d += 1;
+    }
+    if (len & 2) {
+      *reinterpret_cast<uint16_t*>(d) = static_cast<uint16_t>(y);
+      y >>= 16;
+      d += 2;
+    }
+    if (len & 4) *reinterpret_cast<uint32_t*>(d) = static_cast<uint32_t>(y);
+  } else if (tb == 7) {  // the last r bytes start the aligned word after the chunk: offsets 0 .. r-1
+    unsigned long long y = x >> (8 * (8 - r));
+    uint8_t* d = col + 64 - r;
+    if (r & 4) {
+      *reinterpret_cast<uint32_t*>(d) = static_cast<uint32_t>(y);
+      y >>= 32;
+      d += 4;
+    }
+    if (r & 2) {
+      *reinterpret_cast<uint16_t*>(d) = static_cast<uint16_t>(y);
+      y >>= 16;
+      d += 2;
+    }
+    if (r & 1) *d = static_cast<uint8_t>(y);
+  }
+}
+
 struct ColTask {  // cnt == 0: no task
   int row0 = 0, g = 0, b = 0, cnt = 0;
 };
@@ -425,11 +479,13 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
     uint8_t* stage = stages + st * kColStage;
     sc = 0;
     if (t.cnt == 0) return;
+    const uint8_t* src0 = p.packed + static_cast<long long>(t.row0 + lane) * p.packed_stride + t.b * 16;
+    const long long step = 32 * p.packed_stride;
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int r = lane + 32 * k;
       const bool valid = r < t.cnt;
-      const uint8_t* src = valid ? p.packed + static_cast<long long>(t.row0 + r) * p.packed_stride + t.b * 16 : p.packed;
+      const uint8_t* src = valid ? src0 + k * step : p.packed;
       uint8_t* dst = stage + (r ^ ((r >> 3) & 7)) * 16;
       if constexpr (kVec16) {
         cp_async16(dst, src, valid);
@@ -438,10 +494,10 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
         for (int j = 0; j < 4; ++j) cp_async4(dst + 4 * j, valid ? src + 4 * j : src, valid);
       }
     }
+    const uint8_t* s0 = p.scales + static_cast<long long>(t.row0 + 4 * lane) * p.scales_stride + t.b;
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int r = 4 * lane + j;
-      if (r < t.cnt) sc |= static_cast<uint32_t>(__ldg(p.scales + static_cast<long long>(t.row0 + r) * p.scales_stride + t.b)) << (8 * j);
+      if (4 * lane + j < t.cnt) sc |= static_cast<uint32_t>(__ldg(s0 + j * p.scales_stride)) << (8 * j);
     }
   };
 
@@ -514,10 +570,7 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
       for (int j = 0; j < 8; ++j) {
         uint8_t* dst = p.out + (col - tb + j) * n_out + cur.row0;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const int t0 = 64 * hh + 8 * tb;
-          store_bytes8(dst + t0, make_uint2(0, 0), min(8, cur.cnt - t0));
-        }
+        for (int hh = 0; hh < 2; ++hh) store_column_half(dst + 64 * hh, make_uint2(0, 0), tb, cur.cnt - 64 * hh);
       }
     } else {
       uint32_t sbw_lo = 0, sbw_hi = 0, cw_lo = 0, cw_hi = 0;
@@ -547,16 +600,14 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
         return *reinterpret_cast<const uint32_t*>(stage + (64 * hh + 8 * tb + (t ^ tb)) * 16 + 4 * o);
       };
       auto store_half = [&](int hh, const uint32_t (&out)[8][2]) {
-        const int t0 = 64 * hh + 8 * tb;
-        const int n = min(8, cur.cnt - t0);
+        uint8_t* dst = p.out + (col - tb) * n_out + cur.row0 + 64 * hh;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          uint8_t* dst = p.out + (col - tb + j) * n_out + cur.row0 + t0;
+        for (int j = 0; j < 8; ++j, dst += n_out) {
           const uint2 v = make_uint2(out[j][0], out[j][1]);
           if (aligned) {
-            *reinterpret_cast<uint2*>(dst) = v;
+            *reinterpret_cast<uint2*>(dst + 8 * tb) = v;
           } else {
-            store_bytes8(dst, v, n);
+            store_column_half(dst, v, tb, cur.cnt - 64 * hh);
           }
         }
       };

@@ -1,6 +1,7 @@
 // Quantizers from float rows: BF16ToFP4Row (MXFP4, optionally as byte rows at a caller-given row)
-// and BF16 -> FP8 1x128. One warp per row, 8 elements (one 16-byte load of bf16) per lane and item,
-// several items in flight per lane, block absolute maxima reduced with warp shuffles.
+// and BF16 -> FP8 1x128. One warp per row, several 16-byte loads in flight per lane, block absolute
+// maxima reduced with warp shuffles. bfloat16 rows to MXFP4 take 16 elements per lane and encode
+// E2M1 in integer space, two elements per instruction; float32/float16 rows take 8 per lane.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 

@@ -3,9 +3,10 @@
 For each op and shape: the median GPU time of one call (CUDA events around each call, a GPU sleep
 ahead so the host queues the calls before they run, inputs rotated over sets larger than L2), GB/s
 counting the bytes each op must read and write once, and that rate as a share of the measured
-device-to-device copy bandwidth (bytes read + written). Baselines: the unfused column path
-(dequantize to BF16 through torch.compile, transpose copy, native FP8 1x128 quantize) and, with --compile,
-torch.compile of the spec function.
+device-to-device copy bandwidth (bytes read + written; a 2 GiB copy) and of a copy moving the same
+bytes as the op, timed the same way (the ceiling at that size: launch and tail included).
+Baselines: the unfused column path (dequantize to BF16 through torch.compile, transpose copy, native
+FP8 1x128 quantize) and, with --compile, torch.compile of the spec function.
 """
 
 from __future__ import annotations
@@ -46,6 +47,18 @@ def copy_ceiling_gbs(nbytes: int = 2 << 30) -> float:
     return 2 * nbytes / us / 1e3
 
 
+def same_size_copy_gbs(traffic: int, reps: int) -> float:
+    """Rate of a device-to-device copy moving the same bytes (traffic / 2 read, traffic / 2 written),
+    timed like the ops (sources rotated past the L2): the ceiling at that size, launch and tail
+    included."""
+    n = max(16, traffic // 2)
+    ns = _sets(n)
+    src = [torch.empty(n, dtype=torch.uint8, device="cuda").random_() for _ in range(ns)]
+    dst = [torch.empty_like(t) for t in src]
+    us = _median_us(lambda i: dst[i].copy_(src[i]), ns, reps)
+    return 2 * n / us / 1e3
+
+
 def _sets(bytes_per_set: int) -> int:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     return max(2, -(-3 * l2 // max(1, bytes_per_set)))
@@ -69,8 +82,11 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
 
     def add(op, shape, us, nbytes, **extra):
         gbs = nbytes / us / 1e3
-        rows.append(dict(op=op, shape=shape, us=us, gbs=gbs, pct=100 * gbs / ceiling, **extra))
-        print(f"{op:34s} {shape:22s} {us:9.1f} us {gbs:8.0f} GB/s {100 * gbs / ceiling:6.1f}%  "
+        same = same_size_copy_gbs(nbytes, reps)
+        rows.append(dict(op=op, shape=shape, us=us, gbs=gbs, pct=100 * gbs / ceiling, pct_same=100 * gbs / same,
+                         **extra))
+        print(f"{op:34s} {shape:22s} {us:9.1f} us {gbs:8.0f} GB/s {100 * gbs / ceiling:6.1f}% "
+              f"({100 * gbs / same:5.1f}% of a same-size copy)  "
               + " ".join(f"{k}={v:.2f}" for k, v in extra.items()), flush=True)
 
     def bench_shape(t):
@@ -161,13 +177,14 @@ def markdown(result: dict, command: str) -> str:
         f"Command: `{command}`",
         f"Copy ceiling (device-to-device copy, bytes read + written): {result['ceiling_gbs']:.0f} GB/s",
         "",
-        "| op | shape | µs | GB/s | % of copy | vs unfused | vs torch.compile(spec) |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| op | shape | µs | GB/s | % of copy | % of same-size copy | vs unfused | vs torch.compile(spec) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         unf = f"{r['x_unfused']:.2f}x" if "x_unfused" in r else ""
         comp = f"{r['x_compile']:.2f}x" if "x_compile" in r else ""
-        lines.append(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | {unf} | {comp} |")
+        lines.append(f"| {r['op']} | {r['shape']} | {r['us']:.1f} | {r['gbs']:.0f} | {r['pct']:.1f} | "
+                     f"{r['pct_same']:.1f} | {unf} | {comp} |")
     return "\n".join(lines) + "\n"
 
 
