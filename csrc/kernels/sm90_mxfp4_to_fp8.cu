@@ -8,6 +8,8 @@
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 
+#include <type_traits>
+
 namespace moe_fp4 {
 namespace {
 
@@ -97,13 +99,15 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
     }
     const uint8_t* prow = p.packed + row * p.packed_stride;
     const uint8_t* scrow = p.scales + row * p.scales_stride;
-    for (int base = 0; base < items; base += 32 * kRowUnroll) {
+    // kFull: every item of the pass lies in the row (no bounds checks).
+    auto pass = [&](int base, auto full) {
+      constexpr bool kFull = decltype(full)::value;
       uint2 raw[kRowUnroll];
       uint32_t s4[kRowUnroll];
 #pragma unroll
       for (int u = 0; u < kRowUnroll; ++u) {
         const int item = base + u * 32 + lane;
-        if (item < items) {
+        if (kFull || item < items) {
           raw[u] = load_packed8<kVec8>(prow + item * 8);
           s4[u] = __ldg(reinterpret_cast<const uint32_t*>(scrow + (item >> 3) * 4));  // the group's 4 scales
         } else {
@@ -114,7 +118,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
 #pragma unroll
       for (int u = 0; u < kRowUnroll; ++u) {
         const int item = base + u * 32 + lane;
-        if (item >= items) continue;
+        if (!kFull && item >= items) continue;
         const uint32_t m = max_u16x2(s4[u] & 0x00FF00FFu, (s4[u] >> 8) & 0x00FF00FFu);
         const uint32_t emax = max(m & 0xFFFFu, m >> 16);  // the group's largest scale byte
         uint4 o = make_uint4(0, 0, 0, 0);  // NaN group: zero data
@@ -128,8 +132,16 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
           if (zero_mask != 0u) underflow += count_underflow(raw[u].x, zero_mask) + count_underflow(raw[u].y, zero_mask);
         }
         reinterpret_cast<uint4*>(orow)[item] = o;
-        if ((item & 7) == 0) srow[item >> 3] = group_scale(emax);
       }
+    };
+    int base = 0;
+    for (; base + 32 * kRowUnroll <= items; base += 32 * kRowUnroll) pass(base, std::true_type{});
+    if (base < items) pass(base, std::false_type{});
+    // The group scales, one per lane: 2^(emax - 127 - 6) of the group's largest scale byte.
+    for (int g = lane; g < groups; g += 32) {
+      const uint32_t s4 = __ldg(reinterpret_cast<const uint32_t*>(scrow) + g);
+      const uint32_t m = max_u16x2(s4 & 0x00FF00FFu, (s4 >> 8) & 0x00FF00FFu);
+      srow[g] = group_scale(max(m & 0xFFFFu, m >> 16));
     }
   }
 #pragma unroll
@@ -540,7 +552,8 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
       }
       const uint32_t s4 = s * 0x00040004u;
       const uint32_t lo0 = __byte_perm(kKeyLo, kKeyHi, sel), hi0 = __byte_perm(kKeyZeroHigh, 0u, sel);
-      const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel >> 16), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel >> 16);
+      const uint32_t sel_hi = __umulhi(sel, 0x10000u);  // sel >> 16 on the multiply pipe (the ALU one is busier)
+      const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel_hi), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel_hi);
       m0 = max_s16x2(m0, __byte_perm(lo0, hi0, 0x5140) + s4);
       m1 = max_s16x2(m1, __byte_perm(lo0, hi0, 0x7362) + s4);
       m2 = max_s16x2(m2, __byte_perm(lo1, hi1, 0x5140) + s4);
@@ -627,7 +640,7 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
               const uint32_t srep = (sel != 0u ? s : static_cast<uint32_t>(s_idle)) * 0x01010101u;
               const uint32_t x_lo = srep - cw_lo, x_hi = srep - cw_hi;  // bytes S - sb + 5 in [0, 15]
               const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
-              const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, sel >> 16);
+              const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, __umulhi(sel, 0x10000u));
               rlo[i] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
               rhi[i] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
             }

@@ -95,14 +95,17 @@ __device__ __forceinline__ uint32_t pack_codes_with_signs(const uint32_t (&c)[8]
 // bfloat16 (its ulp is the E2M1 step at exponent e = max(exponent, 0)); the sum's low bits count
 // the steps and 2e more steps give the code. No lane ever borrows from or carries into the other.
 // Result: the low element's code (sign in bit 3) in bits 0..3, the high one's in bits 16..19.
+// kSaturate false: the caller knows every scaled value is at most 6 ("up" scale rounding).
+template <bool kSaturate>
 __device__ __forceinline__ uint32_t e2m1_bf16_pair_codes(uint32_t w, uint32_t lowest, uint32_t shift) {
-  const uint32_t y = min_u16x2(max_u16x2(w & 0x7FFF7FFFu, lowest) - shift, 0x40C040C0u);
+  uint32_t y = max_u16x2(w & 0x7FFF7FFFu, lowest) - shift;
+  if constexpr (kSaturate) y = min_u16x2(y, 0x40C040C0u);
   const uint32_t g = max_u16x2(y, 0x3F803F80u) & 0x7F807F80u;  // exponent field of max(y, 1)
   const uint32_t magic = g + 0x03000300u;                       // times 2^6
   const __nv_bfloat162 sum = __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&y),
                                      *reinterpret_cast<const __nv_bfloat162*>(&magic));
   const uint32_t code = *reinterpret_cast<const uint32_t*>(&sum) - g + (g >> 6) - 0x03FE03FEu;
-  return code | ((w >> 12) & 0x00080008u);  // signs (bits 15, 31) to bits 3, 19
+  return code | (__umulhi(w, 1u << 20) & 0x00080008u);  // signs (bits 15, 31) to bits 3, 19
 }
 
 // Four pair results (e2m1_bf16_pair_codes / e2m1_pair_codes layout) -> one word of 8 packed codes.
@@ -185,6 +188,8 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
 // item, so a block's absolute maximum takes one shuffle and its scale byte is derived by 2 lanes.
 constexpr int kBf16Unroll = 2;  // items in flight per lane (64 bytes)
 
+// kRoundUp: "up" scale rounding (every scaled value at most 6: no saturation step), else "down".
+template <bool kRoundUp>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(const QuantizeMxfp4Params p) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
@@ -221,7 +226,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
                                max_u16x2(max_u16x2(w[4] & kAbs, w[5] & kAbs), max_u16x2(w[6] & kAbs, w[7] & kAbs)));
         m = max_u16x2(m, __shfl_xor_sync(0xFFFFFFFFu, m, 1));
         const uint32_t amax = max(m << 16, m & 0xFFFF0000u);  // NaN and Inf sort above every finite value
-        const uint32_t sbyte = e2m1_scale_byte(amax, p.round_up);
+        const uint32_t sbyte = e2m1_scale_byte(amax, kRoundUp);
         uint2 codes = make_uint2(0, 0);  // a NaN/Inf block keeps all codes 0
         if (sbyte != kUe8m0Nan) {
           uint32_t pc[8];
@@ -229,7 +234,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
             const uint32_t lowest = (sbyte - 3u) * 0x00800080u;   // bits of 2^(q-3) in both lanes
             const uint32_t shift = (sbyte - 127u) * 0x00800080u;  // q in both exponent fields
 #pragma unroll
-            for (int j = 0; j < 8; ++j) pc[j] = e2m1_bf16_pair_codes(w[j], lowest, shift);
+            for (int j = 0; j < 8; ++j) pc[j] = e2m1_bf16_pair_codes<!kRoundUp>(w[j], lowest, shift);
           } else {  // tiny blocks (scale 2^-124 and below): through float16, as for float16 inputs
             const float inv = ue8m0_inverse(sbyte);
 #pragma unroll
@@ -331,7 +336,7 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
       break;
     }
     case FloatInput::kBFloat16: {
-      auto k = sm90_quantize_mxfp4_bf16_kernel;
+      auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true> : sm90_quantize_mxfp4_bf16_kernel<false>;
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
