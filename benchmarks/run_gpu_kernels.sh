@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # On a GPU machine: build the native ops, run the GPU tests, compute-sanitizer (memcheck, racecheck,
-# initcheck) over a small driver, and the kernel benchmark. Logs and results go to $OUT (default
-# ./.out); a short summary is printed last.
-#   STEPS=build,test,sanitize,bench (default: all)   BENCH_ARGS="--tokens 4096 --compile"
+# initcheck) over a small driver, and the kernel benchmark (all shapes without torch.compile, then
+# the smallest shape again with --compile for the torch.compile-of-the-spec column). Logs and
+# results go to $OUT (default ./.out, at most 8 files); a short summary is printed last.
+#   STEPS=build,test,sanitize,bench (default: all)
+#   BENCH_ARGS="--tokens 4096 32768 --reps 40" (default)   COMPILE_ARGS="--tokens 4096 --reps 20" ("" skips it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.out}
@@ -10,6 +12,8 @@ mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} MOE_FP4_NATIVE=1
 export MOE_FP4_BUILD_DIR=${MOE_FP4_BUILD_DIR:-$PWD/build/native}
 STEPS=${STEPS:-build,test,sanitize,bench}
+BENCH_ARGS=${BENCH_ARGS:---tokens 4096 32768 --reps 40}
+COMPILE_ARGS=${COMPILE_ARGS---tokens 4096 --reps 20}
 summary=()
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
@@ -28,19 +32,18 @@ want() { [[ ",$STEPS," == *",$1,"* ]]; }
   >"$OUT/device.txt" 2>&1
 
 if want build; then
-  step build "${LIMIT_BUILD:-400}" python3 -m moe_fp4 build
-  cp "$MOE_FP4_BUILD_DIR"/moe_fp4_native*.so "$OUT"/ 2>/dev/null
+  step build "${LIMIT_BUILD:-300}" python3 -m moe_fp4 build
 fi
 if want test; then
-  step gpu_tests "${LIMIT_TEST:-400}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py
-  grep -E "passed|failed|error" "$OUT/gpu_tests.log" | tail -n 3
+  step tests "${LIMIT_TEST:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels_gpu.py tests/test_ops.py
+  grep -E "passed|failed|error" "$OUT/tests.log" | tail -n 3
 fi
 if want sanitize; then
   san=(compute-sanitizer --error-exitcode 99 --print-limit 20)
   export PYTORCH_NO_CUDA_MEMORY_CACHING=1
-  step memcheck "${LIMIT_SAN:-300}" "${san[@]}" --tool memcheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
-  step racecheck "${LIMIT_SAN:-300}" "${san[@]}" --tool racecheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
-  step initcheck "${LIMIT_SAN:-300}" "${san[@]}" --tool initcheck python3 -m moe_fp4.ops.selfcheck
+  step memcheck "${LIMIT_SAN:-200}" "${san[@]}" --tool memcheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
+  step racecheck "${LIMIT_SAN:-200}" "${san[@]}" --tool racecheck --kernel-name kns=sm90 python3 -m moe_fp4.ops.selfcheck
+  step initcheck "${LIMIT_SAN:-200}" "${san[@]}" --tool initcheck python3 -m moe_fp4.ops.selfcheck
   unset PYTORCH_NO_CUDA_MEMORY_CACHING
   # one file for the three tools (at most 8 files come back from the device machine)
   for t in memcheck racecheck initcheck; do echo "== $t"; cat "$OUT/$t.log"; rm -f "$OUT/$t.log"; done >"$OUT/sanitizer.log"
@@ -48,8 +51,14 @@ if want sanitize; then
 fi
 if want bench; then
   # shellcheck disable=SC2086
-  step bench "${LIMIT_BENCH:-400}" python3 -m moe_fp4 bench kernels --markdown "$OUT/kernels.md" ${BENCH_ARGS:-}
+  step bench "${LIMIT_BENCH:-240}" python3 -m moe_fp4 bench kernels --markdown "$OUT/kernels.md" $BENCH_ARGS
   cat "$OUT/kernels.md" 2>/dev/null
+  if [ -n "$COMPILE_ARGS" ]; then
+    # shellcheck disable=SC2086
+    step bench_compile "${LIMIT_COMPILE:-240}" python3 -m moe_fp4 bench kernels --compile \
+      --markdown "$OUT/kernels_compile.md" $COMPILE_ARGS
+    cat "$OUT/kernels_compile.md" 2>/dev/null
+  fi
 fi
 
 echo "== summary =="
