@@ -195,7 +195,7 @@ def train(name, recipe, args, train_data, eval_data, steps, seed, device):
         opt.step()
         sched.step()
         losses.append(loss.detach())
-        if args.deadline_at and step % 25 == 0 and time.time() > args.deadline_at:
+        if args.deadline_at and step % 25 == 0 and step < steps and time.time() > args.deadline_at:
             raise DeadlineReached(f"{name} seed {seed}: deadline reached at step {step} of {steps}")
         if step in evals_at and step != steps:
             evals[step] = eval_loss(model, eval_data, args, device)

@@ -577,10 +577,12 @@ def test_blockwise_scaled_mm_layouts_and_first_use_check(monkeypatch, length):
 
 
 def test_quantizer_choice_follows_the_device():
-    from moe_fp4.recipes.compiled import use_compiled
+    from moe_fp4.recipes.compiled import qdq_mxfp8, qdq_nvfp4, use_compiled
 
-    assert use_compiled("auto", torch.device("cuda")) and not use_compiled("auto", torch.device("cpu"))
-    assert use_compiled("compiled", torch.device("cpu")) and not use_compiled("eager", torch.device("cuda"))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert use_compiled("auto", cuda, qdq_mxfp8) and not use_compiled("auto", cpu, qdq_mxfp8)
+    assert not use_compiled("auto", cuda, qdq_nvfp4)  # NVFP4 stays eager on "auto" (see EAGER_ON_AUTO)
+    assert use_compiled("compiled", cpu, qdq_nvfp4) and not use_compiled("eager", cuda, qdq_mxfp8)
     assert MXFP8Recipe().quantizer == "auto"
 
 
@@ -614,6 +616,28 @@ def test_compiled_quantizer_runs_after_its_first_use_matches(monkeypatch):
     assert list(C.compiled_status().values()) == [True]
     r.quantize_rows(spread(32, 96), role="grad", gemm="dgrad", generator=gen_a)  # a new shape is checked again
     assert len(C._CHECKED) == 2
+
+
+def test_compiled_quantizer_is_rechecked_periodically(monkeypatch):
+    """A difference that shows only on later data is caught by the periodic recheck."""
+    state = {"calls": 0}
+
+    def fake(fn, t, gen, *a):  # right for the first 3 calls, then wrong
+        state["calls"] += 1
+        out, s = fn(t, gen, *a)
+        return (out if state["calls"] <= 3 else out * 2), s
+
+    C = _fake_compiled(monkeypatch, fake)
+    monkeypatch.setattr(C, "RECHECK_EVERY", 4)
+    r = MXFP8Recipe(quantizer="compiled")
+    x = spread(32, 64)
+    want, _ = MXFP8Recipe(quantizer="eager").quantize_rows(x, role="input", gemm="fprop")
+    for _ in range(3):  # call 1 checked, calls 2-3 compiled alone
+        assert_bitwise_equal(r.quantize_rows(x, role="input", gemm="fprop")[0], want, "right")
+    with pytest.warns(UserWarning, match="differs"):  # call 4 is rechecked: its compiled result is wrong
+        got, _ = r.quantize_rows(x, role="input", gemm="fprop")
+    assert_bitwise_equal(got, want, "recheck returns the eager result")
+    assert isinstance(next(iter(C.compiled_status().values())), str)
 
 
 @pytest.mark.parametrize("failure", ["wrong bits", "raises", "extra random bits"])

@@ -128,7 +128,7 @@ def test_quantlinear_compiled_gives_eager_bits(recipe):
     g = spread(200, 384)
     w = spread(384, 256) * 0.05
     outs = {}
-    for quantizer in ("auto", "eager"):
+    for quantizer in ("compiled", "eager"):
         rec = dataclasses.replace(recipe, quantizer=quantizer)
         layer = QuantLinear(256, 384, bias=False, device="cuda", recipe=rec)
         with torch.no_grad():
@@ -137,10 +137,29 @@ def test_quantlinear_compiled_gives_eager_bits(recipe):
         y = layer(xx)
         y.backward(g)
         outs[quantizer] = (y.detach(), xx.grad, layer.weight.grad)
-    for name, a, b in zip(("y", "dx", "dW"), outs["auto"], outs["eager"]):
+    for name, a, b in zip(("y", "dx", "dW"), outs["compiled"], outs["eager"]):
         assert_same_bits(a, b, f"{recipe.name} {name}")
     status = C.compiled_status()
     assert status and all(v is True for v in status.values()), status
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "seen on an H200 (torch 2.11, Triton 3.6): the compiled NVFP4 1x16 quantizer gave other bits than "
+    "the eager spec on the ablation's training operands of 2-8 M elements (bf16-valued activations and "
+    "gradients); cause not found, so quantizer='auto' keeps NVFP4 eager"))
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("shape, scale", [((8192, 1024), 0.3), ((256, 8192), 1e-4)])
+def test_compiled_nvfp4_on_large_bf16_valued_operands(rounding, shape, scale, monkeypatch):
+    monkeypatch.setattr(C, "VERIFY_FIRST_USE", False)
+    t = (torch.nn.functional.gelu(torch.randn(*shape, device="cuda")) * scale).to(torch.bfloat16).float()
+    seed = int(torch.randint(0, 2**31, ()))
+    gen_c = torch.Generator(device="cuda").manual_seed(seed)
+    gen_e = torch.Generator(device="cuda").manual_seed(seed)
+    args = (False, rounding, True, torch.bfloat16)
+    got = C.run_quantizer("compiled", C.qdq_nvfp4, t, gen_c, *args)
+    want = C.qdq_nvfp4(t, gen_e, *args)
+    assert_same_bits(got[0], want[0], f"NVFP4 {rounding} {shape} values")
+    assert_same_bits(got[1], want[1], f"NVFP4 {rounding} {shape} tensor scale")
 
 
 def test_quantized_operands_are_device_independent():

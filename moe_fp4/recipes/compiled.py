@@ -9,8 +9,8 @@ What is compiled: the spec's own quantize -> dequantize of one operand (the func
 below, nothing re-implemented), with ``torch.compile(dynamic=False)``: one set of graphs per operand
 kind (format, rounding, block shape) and shape; operands are made contiguous first, so a transposed
 view compiles no second variant. (Dynamic shapes were tried: torch 2.11 fails to trace the spec's
-``1 << (ebits + mbits)`` once the format's integers become symbolic.) The spec's argument checks that read
-tensor values (e.g. ``int(codes.max())``) and the draws of random bits for stochastic rounding
+``1 << (ebits + mbits)`` once the format's integers become symbolic.) The spec's argument checks that
+read tensor values (e.g. ``int(codes.max())``) and the draws of random bits for stochastic rounding
 (``torch.randint`` with the layer's generator) split the compiled code into a few graphs; they run
 eagerly between them, so the random bits are the very bits of the eager spec.
 
@@ -19,15 +19,21 @@ eager spec (same generator state) and compares their bits (``same_bits``: NaN pa
 the sign and payload of a NaN are the producing kernel's choice: the CPU's eager float32 -> bfloat16
 cast writes 0xFFFF where a compiled kernel writes 0x7FC0); a difference, or an error from the
 compiler, switches that kind to the eager spec for good, with a warning (``compiled_status()``
-reports every kind). ``tests/test_recipes_gpu.py`` checks compiled == eager bit for bit for every
-recipe and operand kind on fresh random inputs and special values.
+reports every kind). Every ``RECHECK_EVERY``-th call of a kind is compared again, since one operand
+per shape cannot show every data-dependent difference. ``tests/test_recipes_gpu.py`` checks compiled
+== eager bit for bit for every recipe and operand kind on fresh random inputs and special values.
 
-When: the recipe field ``quantizer`` (``"auto"``: compiled for CUDA tensors, eager elsewhere;
-``"compiled"``: compiled on every device; ``"eager"``: never compiled).
+What was seen on an H200 (torch 2.11, Triton 3.6): the MXFP8, MXFP4 and blockwise FP8 kinds matched
+the eager spec in the tests and at every first use in training; the NVFP4 1x16 kinds matched in the
+tests but not on training operands of 2-8 M elements, so ``"auto"`` leaves NVFP4 eager
+(``EAGER_ON_AUTO``).
+
+When: the recipe field ``quantizer`` (``"auto"``: compiled for CUDA tensors, except the kinds in
+``EAGER_ON_AUTO``, eager elsewhere; ``"compiled"``: compiled on every device; ``"eager"``: never).
 
 Side effect on ``torch._dynamo.config`` (set once, at the first compiled call, from
 ``DYNAMO_CONFIG``; patching it around every call would cost tens of microseconds a call): the
-recompile limits are raised to at least 64 / 1024 (the spec's functions are shared by every operand
+recompile limits are raised to at least 256 / 4096 (the spec's functions are shared by every operand
 kind, and each kind is one cache entry of them), and where this torch has it
 ``nested_graph_breaks`` is switched on (a graph break inside a nested spec function then resumes
 tracing there instead of splitting every caller into its own graphs: about half as many graphs).
@@ -98,6 +104,17 @@ def q_fp8_blockwise(t: torch.Tensor, generator, block: tuple[int, int]):
 # compiled or eager
 # ------------------------------------------------------------------------------------------------
 
+# Kinds that quantizer="auto" runs eagerly: on an H200 (torch 2.11, Triton 3.6) the compiled NVFP4
+# 1x16 quantizer gave other bits than the eager spec for training operands of 2-8 M elements
+# ((8192, 1024), (1024, 8192), (256, 8192); nearest and stochastic rounding) although it matched on
+# the tests' random operands of up to 0.25 M elements; the first-use check caught it. Until the cause
+# is found, "auto" keeps NVFP4 on the eager spec ("compiled" still compiles it).
+EAGER_ON_AUTO: set[Callable] = {qdq_nvfp4}
+
+# Every RECHECK_EVERY-th call of a checked kind is compared with the eager spec again (the first-use
+# check sees one operand per shape; a data-dependent difference can show up later).
+RECHECK_EVERY = 200
+
 # False: run the compiled code alone, no first-use comparison and no fallback (errors propagate);
 # the GPU tests use it to compare compiled and eager directly.
 VERIFY_FIRST_USE = True
@@ -106,7 +123,8 @@ _LOCK = threading.Lock()
 _COMPILED: dict[Callable, Callable] = {}
 # kind -> True (compiled, every checked shape matched the eager spec) or why it runs eagerly
 _STATUS: dict[tuple, object] = {}
-_CHECKED: set[tuple] = set()  # (kind, shape, stride, dtype, device) whose first result was compared
+_CHECKED: set[tuple] = set()  # (kind, shape, dtype, device, no generator) whose first result was compared
+_CALLS: dict[tuple, int] = {}  # calls per kind
 
 
 def _kind_name(fn: Callable, args: tuple) -> str:
@@ -124,10 +142,11 @@ def reset_compiled_state() -> None:
     with _LOCK:
         _STATUS.clear()
         _CHECKED.clear()
+        _CALLS.clear()
 
 
 # Minimums for the limits; True / False / None (leave as it is) for the switch.
-DYNAMO_CONFIG: dict[str, object] = {"recompile_limit": 64, "accumulated_recompile_limit": 1024,
+DYNAMO_CONFIG: dict[str, object] = {"recompile_limit": 256, "accumulated_recompile_limit": 4096,
                                     "nested_graph_breaks": True}
 
 
@@ -149,11 +168,14 @@ def _compiled(fn: Callable) -> Callable:
         return _COMPILED[fn]
 
 
-def use_compiled(quantizer: str, device: torch.device) -> bool:
-    """Whether a recipe with this ``quantizer`` field compiles its quantizers for ``device``."""
+def use_compiled(quantizer: str, device: torch.device, fn: Callable | None = None) -> bool:
+    """Whether a recipe with this ``quantizer`` field compiles the quantizer ``fn`` for ``device``
+    ("auto" leaves the kinds of ``EAGER_ON_AUTO`` eager)."""
     if quantizer == "eager":
         return False
-    return quantizer == "compiled" or device.type == "cuda"
+    if quantizer == "compiled":
+        return True
+    return device.type == "cuda" and fn not in EAGER_ON_AUTO
 
 
 def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -184,7 +206,7 @@ def run_quantizer(quantizer: str, fn: Callable, t: torch.Tensor, generator: torc
                   *args) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``fn(t, generator, *args)`` (one of the ``qdq_*`` functions), compiled or eager as
     ``quantizer`` says for ``t``'s device. Returns what ``fn`` returns, bit for bit."""
-    if not use_compiled(quantizer, t.device):
+    if not use_compiled(quantizer, t.device, fn):
         return fn(t, generator, *args)
     t = t.contiguous()  # one compiled variant per shape, whatever the strides (the values are the same)
     if not VERIFY_FIRST_USE:
@@ -194,9 +216,11 @@ def run_quantizer(quantizer: str, fn: Callable, t: torch.Tensor, generator: torc
     if isinstance(state, str):
         return fn(t, generator, *args)
     key = (kind, tuple(t.shape), t.dtype, str(t.device), generator is None)
-    if state is True and key in _CHECKED:
+    calls = _CALLS[kind] = _CALLS.get(kind, 0) + 1
+    if state is True and key in _CHECKED and calls % RECHECK_EVERY:
         return _compiled(fn)(t, generator, *args)
-    # First use of this kind for this shape: run both, keep the eager spec's result if they differ.
+    # First use of this kind for this shape (or a periodic recheck): run both, keep the eager spec's
+    # result if they differ.
     rng = generator.get_state() if generator is not None else None
     try:
         out = _compiled(fn)(t, generator, *args)

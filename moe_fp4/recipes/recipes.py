@@ -33,10 +33,11 @@ Fields shared by every recipe (keyword-only):
                     explicit ``keep_bf16`` is given.
   seed              seed of the stochastic-rounding generators (layer i uses seed + i).
   quantizer         "auto" (default): the operand quantizers (the spec's quantize -> dequantize)
-                    run compiled by ``torch.compile`` for CUDA tensors and eagerly elsewhere;
-                    "compiled": compiled on every device; "eager": never compiled. Compiled and
-                    eager give the same bits (``moe_fp4.recipes.compiled`` checks each operand
-                    kind's first use and falls back to the eager spec otherwise).
+                    run compiled by ``torch.compile`` for CUDA tensors (NVFP4's stay eager for
+                    now, see ``moe_fp4.recipes.compiled``) and eagerly elsewhere; "compiled":
+                    compiled on every device; "eager": never compiled. Compiled code must give the
+                    eager spec's bits: each operand kind's first use per shape, and every 200th
+                    call, is compared, and a difference switches the kind to the eager spec.
 """
 
 from __future__ import annotations
@@ -394,11 +395,14 @@ def fp8_blockwise_scaled_mm(
     ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's 128x128 scales
     as the transposed view [L/128, C/128] of a contiguous [C/128, L/128] buffer. Padding, all with
     zero data (which adds nothing to the product) and unit scales:
-      * the reduction dimension to a multiple of 4 blocks of 128: cuBLAS reads the 128x128 scales
-        with a leading dimension rounded up to 4 blocks (an H200 gave wrong products for L/128 % 4
-        != 0) and torch 2.11 accepts no padded scale view; the 1x128 x 1x128 layout is padded the
-        same way, so that every call is of the one layout measured right;
+      * with 128x128 scales, the reduction dimension to a multiple of 4 blocks of 128: cuBLAS reads
+        those scales with a leading dimension rounded up to 4 blocks (on an H200, unpadded, the
+        product was off by 42-64% of its largest value for L/128 % 4 in {1, 2, 3}) and torch 2.11
+        accepts no padded scale view; the 1x128 x 1x128 layout computed right unpadded for every
+        L/128 % 4 and is not padded;
       * R and C to multiples of 128, so that both operands are whole 128-row blocks.
+    Checked on an H200 against dequantize-then-matmul for L/128 in 4..9 and (R, C) in (200, 328),
+    (128, 256), (72, 136) (``tests/test_recipes_gpu.py``).
     """
     if tuple(block_a) != (1, FP8_BLOCK):
         raise ValueError(f"block_a: expected (1, {FP8_BLOCK}), got {block_a!r}")
@@ -411,7 +415,7 @@ def fp8_blockwise_scaled_mm(
         raise ValueError(f"data_b: expected reduction dimension {data_a.shape[1]} on {data_a.device}, got "
                          f"shape {tuple(data_b.shape)} on {data_b.device}")
     pad = torch.nn.functional.pad
-    extra_k = -scales_a.shape[1] % 4
+    extra_k = -scales_a.shape[1] % 4 if block_b == (FP8_BLOCK, FP8_BLOCK) else 0
     pad_a, pad_b = -rows_a % FP8_BLOCK, -rows_b % FP8_BLOCK
     data_a = _pad_fp8(data_a, pad_a, extra_k * FP8_BLOCK)
     data_b = _pad_fp8(data_b, pad_b, extra_k * FP8_BLOCK)
