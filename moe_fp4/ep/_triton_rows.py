@@ -50,7 +50,7 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _convert_groups(row, g, n_groups, lut_ptr, HALF: tl.constexpr):
+    def _convert_groups(row, g, n_groups, lut_ptr, HALF):
         """MXFP4 byte row ``row`` (pointer), groups g [G] of 128 elements -> (E4M3 byte pairs int16
         [G, 4, 16] (element 2j in the low byte), FP32 scale bits int32 [G], pair offsets and masks)."""
         blk = tl.arange(0, 4)
@@ -80,8 +80,8 @@ if triton is not None:
         return pair, bits, off3, mask3, gmask
 
     @triton.jit
-    def _mxfp4_to_fp8_gather_kernel(rows_ptr, index_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups,
-                                    HALF: tl.constexpr, GROUPS: tl.constexpr):
+    def _mxfp4_to_fp8_gather_kernel(rows_ptr, index_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups, HALF,
+                                    GROUPS: tl.constexpr):
         i = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         src = tl.load(index_ptr + i)
@@ -90,8 +90,8 @@ if triton is not None:
         tl.store(scales_ptr + i * n_groups + g, bits, mask=gmask)
 
     @triton.jit
-    def _mxfp4_to_fp8_scatter_kernel(rows_ptr, slot_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups,
-                                     HALF: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr):
+    def _mxfp4_to_fp8_scatter_kernel(rows_ptr, slot_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups, HALF,
+                                     K: tl.constexpr, GROUPS: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
         pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + t * row_stride, g, n_groups, lut_ptr, HALF)
@@ -102,25 +102,22 @@ if triton is not None:
                 tl.store(scales_ptr + r * n_groups + g, bits, mask=gmask)
 
     @triton.jit
-    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, chunk_ptr, chunk, n, words, programs,
-                          WORD: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
-        # persistent: a few programs loop over the rows, ROWS whole rows per step, so that many loads
-        # are in flight (NVLink latency) while most SMs stay free for the encoder running beside it
-        start = tl.program_id(0) * ROWS
-        cols = tl.arange(0, BLOCK)
-        while start < n:
-            i = start + tl.arange(0, ROWS)
-            valid = i < n
-            if CHUNKED:
-                valid = valid & (tl.load(chunk_ptr + i, mask=valid, other=-1) == chunk)
-            r = tl.load(rank_ptr + i, mask=valid, other=0)
-            src = tl.load(index_ptr + i, mask=valid, other=0)
-            # each source buffer as an offset from out, in words (both addresses are word-aligned)
-            rel = (tl.load(bases_ptr + r, mask=valid, other=out_addr) - out_addr) // WORD + src * words
-            m = valid[:, None] & (cols[None, :] < words)
-            v = tl.load(out_ptr + rel[:, None] + cols[None, :], mask=m)
-            tl.store(out_ptr + i[:, None].to(tl.int64) * words + cols[None, :], v, mask=m)
-            start += programs * ROWS
+    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, chunk_ptr, chunk, words,
+                          WORD: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+        # one program per (row, BLOCK words): many small programs keep many loads in flight, which
+        # is what reads over NVLink need (a persistent kernel on a quarter of the SMs measured 1.6x
+        # slower on 2 H200s)
+        i = tl.program_id(0).to(tl.int64)
+        if CHUNKED:
+            if tl.load(chunk_ptr + i) != chunk:
+                return
+        r = tl.load(rank_ptr + i)
+        # the source buffer as an offset from out, in words (both addresses are word-aligned)
+        rel = (tl.load(bases_ptr + r) - out_addr) // WORD + tl.load(index_ptr + i) * words
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < words
+        v = tl.load(out_ptr + rel + cols, mask=mask)
+        tl.store(out_ptr + i * words + cols, v, mask=mask)
 
 
 _LUT_ROWS = 20  # scale differences 0..19; from 19 on every E2M1 value rounds to zero in E4M3
@@ -173,11 +170,48 @@ def mxfp4_rows_to_fp8_scatter(rows: torch.Tensor, hidden: int, slot_table: torch
     data = torch.empty(num_rows, hidden, dtype=torch.uint8, device=rows.device)
     scales = torch.empty(num_rows, n_groups, dtype=torch.int32, device=rows.device)
     if rows.shape[0] and num_rows:
-        grid = (rows.shape[0], triton.cdiv(n_groups, _GROUPS))
-        _mxfp4_to_fp8_scatter_kernel[grid](rows, slot_table.contiguous(), shift_table(rows.device),
-                                           data.view(torch.int16), scales, rows.stride(0), n_groups,
-                                           HALF=hidden // 2, K=slot_table.shape[1], GROUPS=_GROUPS, num_warps=4)
+        table, lut = slot_table.contiguous(), shift_table(rows.device)
+
+        def launch(config):
+            groups, warps = config
+            _mxfp4_to_fp8_scatter_kernel[(rows.shape[0], triton.cdiv(n_groups, groups))](
+                rows, table, lut, data.view(torch.int16), scales, rows.stride(0), n_groups, hidden // 2,
+                K=table.shape[1], GROUPS=groups, num_warps=warps)
+
+        launch(_scatter_config(rows.device, hidden, table.shape[1], launch))
     return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
+
+
+# (128-element groups per program, warps) tried by the scatter conversion on its first call per
+# (device, hidden, k); every one writes the same bits, the fastest is kept
+SCATTER_CONFIGS = ((8, 4), (8, 2), (16, 4))
+_SCATTER_CHOICE: dict = {}
+
+
+def _scatter_config(device, hidden: int, k: int, launch) -> tuple[int, int]:
+    """The fastest of SCATTER_CONFIGS for this shape, timed once on CUDA (a host synchronisation on
+    that first call only); the first config elsewhere."""
+    key = (device, hidden, k)
+    if key not in _SCATTER_CHOICE:
+        if device.type != "cuda":
+            _SCATTER_CHOICE[key] = SCATTER_CONFIGS[0]
+            return SCATTER_CONFIGS[0]
+        best, best_ms = SCATTER_CONFIGS[0], float("inf")
+        for config in SCATTER_CONFIGS:
+            try:
+                launch(config)  # compiles
+            except Exception:  # a config this GPU or Triton cannot run: skip it
+                continue
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(3):
+                launch(config)
+            end.record()
+            end.synchronize()
+            if start.elapsed_time(end) < best_ms:
+                best, best_ms = config, start.elapsed_time(end)
+        _SCATTER_CHOICE[key] = best
+    return _SCATTER_CHOICE[key]
 
 
 def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +228,7 @@ def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tenso
     if n:
         grid = (n, triton.cdiv(n_groups, _GROUPS))
         _mxfp4_to_fp8_gather_kernel[grid](rows, index, shift_table(rows.device), data.view(torch.int16), scales,
-                                          rows.stride(0), n_groups, HALF=hidden // 2, GROUPS=_GROUPS, num_warps=4)
+                                          rows.stride(0), n_groups, hidden // 2, GROUPS=_GROUPS, num_warps=4)
     return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
 
 
@@ -211,23 +245,12 @@ def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, ba
         return out
     word = torch.int32 if width % 4 == 0 else torch.uint8
     words = width // word.itemsize
-    block = triton.next_power_of_2(words)
-    rows = max(1, 8192 // block)
-    programs = min(triton.cdiv(n, rows), _copy_programs(out.device))
+    block = min(1024, triton.next_power_of_2(words))
     chunks = row_chunk if row_chunk is not None else index
-    _copy_rows_kernel[(programs,)](out.view(word), out.data_ptr(), index, src_rank, bases, chunks, chunk, n, words,
-                                   programs, WORD=word.itemsize, ROWS=rows, BLOCK=block,
-                                   CHUNKED=row_chunk is not None, num_warps=8)
+    _copy_rows_kernel[(n, triton.cdiv(words, block))](out.view(word), out.data_ptr(), index, src_rank, bases, chunks,
+                                                      chunk, words, WORD=word.itemsize, BLOCK=block,
+                                                      CHUNKED=row_chunk is not None, num_warps=4)
     return out
-
-
-COPY_SM_SHARE = 4  # the row copies run as (SM count / 4) persistent programs
-
-
-def _copy_programs(device) -> int:
-    if device.type != "cuda":
-        return 4
-    return max(1, torch.cuda.get_device_properties(device).multi_processor_count // COPY_SM_SHARE)
 
 
 __all__ = ["available", "copy_rows", "mxfp4_rows_to_fp8_gather", "mxfp4_rows_to_fp8_scatter", "shift_table"]

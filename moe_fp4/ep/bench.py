@@ -51,7 +51,7 @@ def _parse(argv):
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
                    "nccl,symm; CPU: gloo); symm:N is symm with N encode slices")
-    p.add_argument("--chunks", type=int, default=4, help="encode slices of the symm backend's dispatch")
+    p.add_argument("--chunks", type=int, default=1, help="encode slices of the symm backend's dispatch")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
                    "transfer, conversions, combine kernels) at the largest token count")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
@@ -218,6 +218,10 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
                                                                                          plan["peer_rank_table"],
                                                                                          hidden))),
     ]
+    from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
+
+    res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",
+                0.0))
     return [(name, ms * 1e3) for name, ms in res]
 
 

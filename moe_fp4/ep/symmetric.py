@@ -39,12 +39,14 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
     """Payload rows and combine partials by direct reads of peers' symmetric-memory buffers.
 
     group: an NCCL process group (None: the default group) whose ranks share NVLink (one host);
-    chunks: slices of the dispatch encode pipelined with the transfer (1: no pipelining);
+    chunks: slices of the dispatch encode (and of the bf16 combine) pipelined with the transfer
+      (1, the default: no pipelining, which measured faster on 2 H200s; see
+      benchmarks/results/dispatch.md);
     timeout_ms: how long a device barrier waits for a peer before the kernel traps."""
 
     direct = True
 
-    def __init__(self, group=None, *, chunks: int = 4, timeout_ms: int = 120_000):
+    def __init__(self, group=None, *, chunks: int = 1, timeout_ms: int = 120_000):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
