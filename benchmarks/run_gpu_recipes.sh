@@ -5,11 +5,12 @@
 #       step times per configuration, compiled and eager quantizers, and a torch.profiler table
 #       (step_times.{md,json}); the GPU tests (tests/test_recipes_gpu.py); the raw torch._scaled_mm
 #       layout probe (scaled_mm_layouts.md)
-#   MODE=ablation STEPS=400 SEEDS=0,1,2 DEADLINE=230 bash benchmarks/run_gpu_recipes.sh   (about 6 minutes)
-#       the ablation (ablation.{md,json,png}; one process per configuration, compiled quantizers) in the
-#       background while the GPU tests run (the blockwise FP8 GEMM ones, then compiled == eager for the
-#       ablation's operand kinds); afterwards, with the compiler caches warm, the step times
-#       (step_times.{md,json})
+#   MODE=ablation STEPS=400 SEEDS=0,1,2 DEADLINE=230 JOBS=7 bash benchmarks/run_gpu_recipes.sh
+#       (about 6 minutes) the ablation (ablation.{md,json,png}; one process per configuration, JOBS at
+#       once, quantizer "auto") in the background while the GPU tests run (the blockwise FP8 GEMM ones,
+#       then compiled == eager for the ablation's operand kinds); afterwards, with the compiler caches
+#       warm, the step times (step_times.{md,json}). Seven processes time-slicing one H200 slowed each
+#       run 2-5x (2026-11-22): for a long run prefer JOBS=2 and a longer DEADLINE.
 #   MODE=bench bash benchmarks/run_gpu_recipes.sh   QuantLinear throughput (bench_quantlinear.{md,json})
 # The compiler caches live in .out/recipes_inductor (TORCHINDUCTOR_CACHE_DIR); with CACHE_TGZ=1 they
 # are packed into $OUT/inductor_cache.tgz, so that a later call can carry them and skip compiling.
@@ -41,7 +42,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.out/reci
   elif [ "$MODE" = ablation ]; then
     export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-2}
     echo "== ablation (background: $OUT/ablation.log)"
-    python3 benchmarks/ablation.py --out "$OUT/abl" --steps "${STEPS:-400}" --seeds "${SEEDS:-0,1,2}" --jobs 7 \
+    python3 benchmarks/ablation.py --out "$OUT/abl" --steps "${STEPS:-400}" --seeds "${SEEDS:-0,1,2}" --jobs "${JOBS:-7}" \
       --deadline "${DEADLINE:-230}" >"$OUT/ablation.log" 2>&1 &
     ABL=$!
     echo "== GPU tests: blockwise FP8 GEMM"
