@@ -3,6 +3,8 @@
   layout     dispatch_layout: tokens per rank / per expert, is_token_in_rank, the send order
   payloads   wire formats as opaque byte rows: bf16, fp8 (E4M3 + FP32 per 128), mxfp4, nvfp4
   backends   all_to_all_single over a process group (NCCL on CUDA, gloo on CPU), or one process
+  symmetric  backend="symm": payload rows and combine partials read straight out of peers'
+             symmetric-memory buffers over NVLink (Triton kernels; NCCL stays the default)
   buffer     Buffer.dispatch / Buffer.combine with a reusable handle
   autograd   dispatch_with_grad / combine_with_grad (BF16 or FP8 gradients)
   bench      `python -m moe_fp4 bench dispatch`
@@ -22,10 +24,11 @@ from moe_fp4.ep.payloads import (
     PayloadCodec,
     get_payload,
 )
+from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
 __all__ = [
     "AllToAllBackend", "BF16Payload", "Buffer", "DispatchHandle", "DispatchLayout", "DispatchOutput",
     "FP8Payload", "LocalBackend", "MXFP4Payload", "NVFP4Payload", "PAYLOADS", "PayloadCodec",
     "TorchDistributedBackend", "combine_with_grad", "dispatch_layout", "dispatch_with_grad", "get_payload",
-    "make_backend", "send_order",
+    "make_backend", "send_order", "SymmetricMemoryBackend",
 ]

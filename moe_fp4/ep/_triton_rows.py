@@ -1,27 +1,26 @@
 """Row kernels of the dispatch path in Triton (CUDA only; the torch paths are the references).
 
-``mxfp4_rows_to_fp8_gather(rows, hidden, index)``: FP4RowToFP8Row of ``rows[index]`` in one pass,
-so each received token is read once per output row and no gathered FP8 copy is made: the expansion
-to one row per (token, local expert) is fused into the conversion. Integer arithmetic only, bit-exact
-with ``moe_fp4.formats.mxfp4_to_fp8_blockwise`` (see below; tested against it on GPU and, where
-Triton is installed, in its CPU interpreter).
+``mxfp4_rows_to_fp8_scatter(rows, hidden, slot_table, num_rows)``: FP4RowToFP8Row fused with the
+expansion to expert rows: each received token is converted once and written to each of its
+(token, local expert) rows (``DispatchOutput.to_fp8_blockwise`` for the mxfp4 payload).
+``mxfp4_rows_to_fp8_gather(rows, hidden, index)``: the same conversion of ``rows[index]``.
+Both are bit-exact with ``moe_fp4.formats.mxfp4_to_fp8_blockwise`` (tested against it on GPU and,
+where Triton is installed, in its CPU interpreter).
 
-``copy_rows(out, index, src_rank, bases, row_bytes, ...)``: out[i] = the row ``index[i]`` of rank
+``copy_rows(out, index, src_rank, bases, ...)``: out[i] = the row ``index[i]`` of rank
 ``src_rank[i]``'s staging buffer, whose address is ``bases[src_rank[i]]`` (symmetric memory: peers'
-buffers are addressable from this GPU over NVLink). With ``chunk`` / ``row_chunk`` only the rows of
+buffers are addressable from this GPU over NVLink). With ``row_chunk`` / ``chunk`` only the rows of
 that chunk are copied (pipelined dispatch).
 
 MOE_FP4_EP_TRITON=0 turns these kernels off (the torch paths run instead).
 
-The conversion, per 128-element group with UE8M0 block scales e_0..e_3 and emax = max(e_i):
-an E2M1 code c (sign s, magnitude m = c & 7) of block i has the value q * 2^t / 2 with
-(q, t) = (1, 0) for m = 1, (1, m >> 1) for even m, (3, (m >> 1) - 1) for odd m >= 3; its E4M3 value
-is that times 2^(6 - (emax - e_i)), i.e. q * 2^x with x = t + 5 - (emax - e_i). E4M3 (bias 7,
-subnormals in steps of 2^-9) encodes q = 1 as exponent x + 7 when x >= -6, else the subnormal
-2^(x + 9) (x = -7..-9), 0 at x = -10 (a tie, to even) and below; q = 3 = 1.5 * 2^(x + 1) as exponent
-x + 8 and mantissa 4 when x >= -7, else the subnormal 3 * 2^(x + 9) rounded to nearest even: 6, 3,
-2 (1.5, a tie), 1 (0.75) for x = -8..-11, 0 below. The sign is kept (a zero keeps its sign). The
-FP32 scale is 2^(emax - 133) built from bits; a group with a 0xFF block scale gets NaN and zero data.
+The conversion, per 128-element group with UE8M0 block scales e_0..e_3 and emax = max(e_i): the FP32
+scale is 2^(emax - 133), built from bits (a group with a 0xFF block scale gets NaN and zero data);
+an E2M1 code (sign s, magnitude m) of block i becomes the E4M3 byte s << 7 | T[min(emax - e_i, 19)][m],
+where T[d][m] = encode_elements(decode_elements(m) * 2^(6 - d), E4M3) is computed once by the spec
+itself (``shift_table``): the E2M1 value shifted by the scale difference and rounded to nearest even
+into E4M3 (exact down to E4M3's subnormals; from d = 19 on every value rounds to zero). A zero keeps
+its sign, as the spec's encoder does.
 """
 
 from __future__ import annotations

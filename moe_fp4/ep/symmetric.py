@@ -1,24 +1,28 @@
 """Direct NVLink exchange through torch symmetric memory (``torch.distributed._symmetric_memory``).
 
-``SymmetricMemoryBackend`` keeps NCCL for the small exchanges (counts, metadata) and moves the
-payload rows by having each GPU READ its peers' staging buffers over NVLink:
+``SymmetricMemoryBackend`` (``Buffer(..., backend="symm")``) keeps NCCL for the small exchanges
+(counts, metadata) and moves the payload rows by having each GPU READ its peers' staging buffers:
 
   dispatch  every rank encodes its tokens into its own staging buffer, in token order (the MXFP4
             encoder writes the byte rows there directly: no per-destination packing copy); after a
-            barrier each receiver copies the rows it needs, from every source's buffer, into its
-            receive rows (one Triton copy kernel for all sources). The tokens are encoded in
-            ``chunks`` slices (row-wise codecs): slice c is copied on a side stream, after a barrier
-            of its own, while slice c + 1 is being encoded, so encode and transfer overlap.
+            device barrier each receiver copies the rows it needs, from every source's buffer, into
+            its receive rows (one Triton copy kernel for all sources).
   combine   every expert rank writes its per-token partial sums into its staging buffer; after a
-            barrier each token's rank sums its partials straight out of the peers' buffers (one
-            Triton kernel: no receive buffer, no all-to-all).
+            barrier each token's rank sums (and, for fp8/mxfp4 wires, decodes) its partials straight
+            out of the peers' buffers (one Triton kernel: no receive buffer, no all-to-all).
 Each operation starts with a barrier, so no rank overwrites its staging buffer while a peer still
 reads it. Results are bit for bit those of the NCCL path (tests/test_ep_gpu.py checks it).
+
+``chunks=N`` cuts the dispatch encode (and the bf16 combine) into N slices and copies slice c on a
+high-priority side stream, behind a barrier of its own, while slice c + 1 is encoded. On 2 H200s
+that measured slower than no slicing (the encoder and the copies compete for the same SMs;
+benchmarks/results/dispatch.md), so the default is 1.
 
 Multicast is never used (no multimem operations; set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on
 machines where it must stay off). The staging buffer grows on demand; the size is computed from
 counts every rank knows (the dispatch handle), so every rank allocates the same size at the same
-call, as the collective allocation requires. Buffers replaced by a larger one stay allocated until
+call, as the collective allocation requires (the allocation synchronises the host; it happens on
+first use and when a larger batch arrives). Buffers replaced by a larger one stay allocated until
 the backend is dropped (a peer may still be reading them).
 """
 
