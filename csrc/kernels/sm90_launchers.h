@@ -66,6 +66,11 @@ struct Mxfp4ToFp8ColsParams {
   int hidden;                  // H, a multiple of 128
   long long num_groups;        // G = sum_e ceil(len_e / 128), known to the caller
   Segments segments;           // lens required
+  // Scratch of the two-pass path (both set: scale pass, then a pass writing whole aligned 128-token
+  // output windows; either nullptr: the one-pass kernel):
+  uint8_t* col_records;        // [G, H/8] 16-byte records (16-byte aligned): per scale group and 8
+                               // hidden columns, the 8 scale bytes used to convert, then min | max << 8
+  int* row_groups;             // int32 [ceil(N/128) * 128] (16-byte aligned): scale group of each row, -1 outside
 };
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream);
 

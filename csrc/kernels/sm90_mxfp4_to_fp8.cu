@@ -386,7 +386,11 @@ struct ColTask {  // cnt == 0: no task
   int row0 = 0, g = 0, b = 0, cnt = 0;
 };
 
-template <bool kVec16>
+// kScales (the first pass of the two-pass path): steps 1 and 2 only; the group's scales, its 16-byte
+// records (col_records: per 8 hidden columns the scale bytes the second pass converts with, where an
+// all-zero column takes the largest byte of its 8, or 5 when all 8 are zero, then their minimum and
+// maximum) and, from the tasks of block column 0, each row's group (row_groups).
+template <bool kVec16, bool kScales>
 __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(const Mxfp4ToFp8ColsParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -572,6 +576,36 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
     const uint32_t sb = nan_block ? kUe8m0Nan : key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0u;
     const long long col = static_cast<long long>(cur.b) * kMxBlock + 8 * o + tb;
     p.out_scales[col * p.num_groups + cur.g] = ue8m0_value(sb);
+    if constexpr (kScales) {
+      // Fill byte of an all-zero column: the largest finite byte of the 8 columns of this o (never
+      // 0xFF: the zeros of a NaN column's neighbours stay zeros of sign), 5 if there is none.
+      const bool nz = !nan_block && key > 0;
+      const bool finite = nz && sb != kUe8m0Nan;
+      uint32_t fmax = finite ? sb : 0u, fany = finite ? 1u : 0u;
+#pragma unroll
+      for (int x = 1; x < 8; x <<= 1) {
+        fmax = max(fmax, __shfl_xor_sync(0xFFFFFFFFu, fmax, x));
+        fany |= __shfl_xor_sync(0xFFFFFFFFu, fany, x);
+      }
+      const uint32_t fb = nan_block ? kUe8m0Nan : nz ? sb : (fany != 0u ? fmax : 5u);
+      uint32_t fmin = fb, fmx = fb;
+#pragma unroll
+      for (int x = 1; x < 8; x <<= 1) {
+        fmin = min(fmin, __shfl_xor_sync(0xFFFFFFFFu, fmin, x));
+        fmx = max(fmx, __shfl_xor_sync(0xFFFFFFFFu, fmx, x));
+      }
+      uint32_t word = fb << (8 * (tb & 3));  // lanes tb 0..3: columns 0..3's bytes; 4..7: columns 4..7's
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
+      const uint32_t word_hi = __shfl_xor_sync(0xFFFFFFFFu, word, 4);
+      if (tb == 0) {
+        const long long rec = static_cast<long long>(cur.g) * (p.hidden / 8) + 4 * cur.b + o;
+        reinterpret_cast<uint4*>(p.col_records)[rec] = make_uint4(word, word_hi, fmin | (fmx << 8), 0u);
+      }
+      if (cur.b == 0) {
+        for (int r = lane; r < cur.cnt; r += 32) p.row_groups[cur.row0 + r] = cur.g;
+      }
+    } else {
     const int wsmax = static_cast<int>(__reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(smax)));
     // Byte used in the fast formula: an all-zero column (every result zero) takes one that keeps
     // the lane's shifts in range.
@@ -678,6 +712,7 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
         }
       }
     }
+    }  // !kScales
     __syncwarp();  // every lane is done with this stage before the next copy into it
     const int4 nx = s_next[warp];
     cur.row0 = nx.x;
@@ -687,6 +722,7 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
     sc_cur = sc_nxt;
   }
   asm volatile("cp.async.wait_all;\n" ::);
+  if constexpr (kScales) return;  // the second pass writes every output byte
 
   // Columns of rows outside every segment are zero.
   const long long covered = s_covered;
@@ -696,6 +732,123 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
   for (long long row = gwarp; row < p.rows; row += num_warps) {
     if (warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered)) continue;
     for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * n_out + row] = 0;
+  }
+}
+
+// ---- Second pass of the two-pass path: whole aligned output windows. ----
+// A task is one window of 128 tokens [128 w, 128 w + 128) times one MX block column b (32 hidden
+// columns); the tasks of a window own every byte of its 32 output columns (the rows of any number of
+// scale groups and experts, and rows outside every segment, which become zero), so with N a multiple
+// of 32 every store fills whole 32-byte sectors that no other task writes. Lane (o, tb) converts
+// hidden columns 32 b + 8o .. +7 of rows 64 hh + 8 tb .. +7 (hh = 0, 1), each row with its own
+// group's record from the first pass: E4M3 byte = base(c) + 8 (S - sb + 5) - 40 per column (the
+// first pass's step 3) when every row of the half has its shifts in range, else the per-element
+// table; 4x4 byte transposes and one 8-byte store per column and half.
+__global__ void __launch_bounds__(kThreads) sm90_cols_write_kernel(const Mxfp4ToFp8ColsParams p) {
+  __shared__ uint8_t ktable[kColKRows * 8];  // E4M3 magnitudes of code (i & 7) times 2^((i >> 3) - 14)
+  for (int i = threadIdx.x; i < kColKRows * 8; i += kThreads) {
+    ktable[i] = static_cast<uint8_t>(e4m3_of_e2m1_times_pow2(i & 7, (i >> 3) - 14));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, o = lane >> 3, tb = lane & 7;
+  const int nb = p.hidden / kMxBlock;
+  const long long n = p.rows;
+  const long long tasks = ((n + kTileRows - 1) / kTileRows) * nb;
+  const long long gw = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const uint4* records = reinterpret_cast<const uint4*>(p.col_records);
+  const uint4 outside = make_uint4(0x05050505u, 0x05050505u, 0x0505u, 0u);  // rows outside: zero codes
+  for (long long v = gw; v < tasks; v += num_warps) {
+    const long long w = v / nb;
+    const int b = static_cast<int>(v - w * nb);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const long long row0 = w * kTileRows + 64 * hh + 8 * tb;  // this lane's 8 rows: row0 .. row0 + 7
+      // Row groups (-1 outside every segment and past N: the array is padded to whole windows).
+      const int4 ga = *reinterpret_cast<const int4*>(p.row_groups + row0);
+      const int4 gb = *reinterpret_cast<const int4*>(p.row_groups + row0 + 4);
+      const int grp[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+      uint32_t wd[8], sv[8];
+      uint4 rec[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        if (grp[i] >= 0) {
+          const long long row = row0 + i;
+          wd[i] = __ldg(reinterpret_cast<const uint32_t*>(p.packed + row * p.packed_stride + 16 * b + 4 * o));
+          sv[i] = __ldg(p.scales + row * p.scales_stride + b);
+          rec[i] = __ldg(records + static_cast<long long>(grp[i]) * (p.hidden / 8) + 4 * b + o);
+        } else {
+          wd[i] = 0u;
+          sv[i] = 0u;
+          rec[i] = outside;
+        }
+      }
+      // Fast formula valid for every row: the record's bytes in [5, 254] within 15 of each other, and
+      // S - byte + 5 in [0, 15] for each byte of a row with a nonzero code (all-zero rows take S =
+      // max - 5, which puts every shift in range).
+      bool fast = true;
+      uint32_t s_use[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const uint32_t mn = rec[i].z & 0xFFu, mx = (rec[i].z >> 8) & 0xFFu;
+        const bool nonzero_row = (wd[i] & 0x77777777u) != 0u;
+        fast = fast && mx != kUe8m0Nan && mn >= 5u && mx - mn <= 15u &&
+               (!nonzero_row || (sv[i] + 5u >= mx && sv[i] + 5u - mn <= 15u));
+        s_use[i] = nonzero_row ? sv[i] : mx - 5u;
+      }
+      uint32_t out[8][2];
+      if (fast) {
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          uint32_t rlo[4], rhi[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int i = 4 * a + q;
+            const uint32_t wv = wd[i], sel = wv & 0x77777777u;
+            const uint32_t sg_e = (wv << 4) & 0x80808080u, sg_o = wv & 0x80808080u;
+            const uint32_t srep = s_use[i] * 0x01010101u;
+            const uint32_t x_lo = srep - (rec[i].x - 0x05050505u);  // bytes S - sb + 5 in [0, 15]
+            const uint32_t x_hi = srep - (rec[i].y - 0x05050505u);
+            const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
+            const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, sel >> 16);
+            rlo[q] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
+            rhi[q] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+          }
+          transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
+          transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
+        }
+      } else {
+        // Per element through the table (subnormal results, underflow, saturated or NaN columns).
+#pragma unroll
+        for (int a = 0; a < 2; ++a) {
+          uint32_t r[2][4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const int i = 4 * a + q;
+            const uint32_t wv = wd[i];
+            const int s = static_cast<int>(sv[i]);
+            r[0][q] = r[1][q] = 0u;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              const uint32_t bj = ((j < 4 ? rec[i].x : rec[i].y) >> (8 * (j & 3))) & 0xFFu;
+              const int k = min(max(s - static_cast<int>(bj), -14), 9);
+              const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((wv >> (4 * j)) & 7u)]) |
+                                 (((wv >> (4 * j + 3)) & 1u) << 7);
+              r[j >> 2][q] |= (bj == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
+            }
+          }
+          transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], out[0][a], out[1][a], out[2][a], out[3][a]);
+          transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], out[4][a], out[5][a], out[6][a], out[7][a]);
+        }
+      }
+      const long long left = n - row0;
+      if (left > 0) {
+        const int cnt = left < 8 ? static_cast<int>(left) : 8;
+        uint8_t* dst = p.out + static_cast<long long>(kMxBlock * b + 8 * o) * n + row0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j, dst += n) store_bytes8(dst, make_uint2(out[j][0], out[j][1]), cnt);
+      }
+    }
   }
 }
 
@@ -736,21 +889,30 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   if (p.rows <= 0 || p.hidden <= 0) return cudaGetLastError();
   // Task indices and row numbers are 32-bit in the kernel.
   if (p.rows >= (1LL << 31) || p.num_groups * (p.hidden / kMxBlock) >= (1LL << 31)) return cudaErrorInvalidValue;
+  const bool two_pass = p.col_records != nullptr && p.row_groups != nullptr;
   const bool vec16 = ((p.packed_stride & 15) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 15) == 0);
   const long long tasks = p.num_groups * (p.hidden / kMxBlock);
-  const long long zero_warps = p.segments.offsets != nullptr ? p.rows : 0;
+  const long long zero_warps = (p.segments.offsets != nullptr && !two_pass) ? p.rows : 0;
   const long long warps = tasks > zero_warps ? tasks : zero_warps;
   const long long blocks = (warps + kColWarps - 1) / kColWarps;
   const int smem = kColSmemFixed + (table ? 12 * (p.segments.num + 1) : 0);
-  if (vec16) {
-    auto k = sm90_mxfp4_to_fp8_cols_kernel<true>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    k<<<persistent_grid(k, blocks, smem), kThreads, smem, stream>>>(p);
-  } else {
-    auto k = sm90_mxfp4_to_fp8_cols_kernel<false>;
-    cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-    k<<<persistent_grid(k, blocks, smem), kThreads, smem, stream>>>(p);
+  auto launch = [&](auto kernel) {
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    kernel<<<persistent_grid(kernel, blocks, smem), kThreads, smem, stream>>>(p);
+  };
+  if (!two_pass) {
+    if (vec16) launch(sm90_mxfp4_to_fp8_cols_kernel<true, false>);
+    else launch(sm90_mxfp4_to_fp8_cols_kernel<false, false>);
+    return cudaGetLastError();
   }
+  // Pass 1: every row's group (-1 by default) and the groups' scales and records; pass 2: the output.
+  const long long windows = (p.rows + kTileRows - 1) / kTileRows;
+  cudaError_t err = cudaMemsetAsync(p.row_groups, 0xFF, static_cast<size_t>(windows * kTileRows) * sizeof(int), stream);
+  if (err != cudaSuccess) return err;
+  if (vec16) launch(sm90_mxfp4_to_fp8_cols_kernel<true, true>);
+  else launch(sm90_mxfp4_to_fp8_cols_kernel<false, true>);
+  const long long write_blocks = (windows * (p.hidden / kMxBlock) + kColWarps - 1) / kColWarps;
+  sm90_cols_write_kernel<<<persistent_grid(sm90_cols_write_kernel, write_blocks), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -229,7 +229,12 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   Tensor out = at::empty({h, n}, packed.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({h, num_groups}, packed.options().dtype(at::kFloat));
   Tensor group_offsets = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
-  Tensor workspace = at::empty({p.segments.num + 1 + 2 * num_groups}, packed.options().dtype(at::kLong));
+  // int64 workspace: [E + 1] expert rows, [G, 2] group rows, then (16-byte aligned) the two-pass
+  // path's [G, H/8] 16-byte column records and int32 row groups padded to whole 128-row windows.
+  const int64_t head = (p.segments.num + 1 + 2 * num_groups + 1) / 2 * 2;
+  const int64_t record_words = num_groups * (h / 8) * 2;
+  const int64_t row_group_words = (n + 127) / 128 * 128 / 2;
+  Tensor workspace = at::empty({head + record_words + row_group_words}, packed.options().dtype(at::kLong));
   p.packed = packed.data_ptr<uint8_t>();
   p.packed_stride = packed.stride(0);
   p.scales = scales.data_ptr<uint8_t>();
@@ -239,6 +244,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.group_offsets = reinterpret_cast<long long*>(group_offsets.data_ptr<int64_t>());
   p.workspace = reinterpret_cast<long long*>(workspace.data_ptr<int64_t>());
   p.group_rows = p.workspace + p.segments.num + 1;
+  p.col_records = reinterpret_cast<uint8_t*>(p.workspace + head);
+  p.row_groups = reinterpret_cast<int*>(p.workspace + head + record_words);
   p.rows = n;
   p.hidden = static_cast<int>(h);
   p.num_groups = num_groups;
