@@ -186,6 +186,88 @@ def test_mxfp4_rows_to_fp8_cols_edge_splits():
         _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lt, ot), want, (f"data {lens}", "scales", "goffs"))
 
 
+def _dirty_cache(nbytes):
+    """Leave nonzero garbage in the caching allocator's free blocks, so that an output byte a kernel
+    forgets to write shows up."""
+    junk = torch.full((nbytes,), 0xA5, dtype=torch.uint8, device="cuda")
+    del junk
+
+
+def _small_expert_splits(n, gaps):
+    """Segments of lengths drawn from {0, 1, 5, 127, 128, 129, 200} (groups at unaligned rows, empty
+    and 1-row experts), back to back or shuffled with unused rows between them."""
+    choices = [0, 1, 5, 127, 128, 129, 200]
+    lens, left = [], n if not gaps else (n * 3) // 4
+    while left > 0:
+        ln = min(left, choices[int(torch.randint(0, len(choices), ()))])
+        lens.append(ln)
+        left -= ln
+    if not gaps:
+        return torch.tensor(lens, device="cuda"), None
+    order = torch.randperm(len(lens)).tolist()
+    offs, pos, slack = [0] * len(lens), 0, n - sum(lens)
+    for e in order:
+        gap = min(int(torch.randint(0, 4, ())), slack)
+        pos, slack = pos + gap, slack - gap
+        offs[e] = pos if lens[e] > 0 else n
+        pos += lens[e]
+    return torch.tensor(lens, device="cuda"), torch.tensor(offs, device="cuda")
+
+
+@pytest.mark.parametrize("gaps", [False, True])
+@pytest.mark.parametrize("t", [520, 1000, 4099])
+def test_mxfp4_rows_to_fp8_cols_small_experts(t, gaps):
+    """Many short experts: 128-token output windows holding several groups and experts, rows outside
+    every segment, N not a multiple of 8 (4099), int32 split tensors."""
+    h = 2048
+    packed, scales = _mxfp4_input(t, h)
+    lens, offs = _small_expert_splits(t, gaps)
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+    _dirty_cache(4 * t * h)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs), want, ("data", "scales", "group_offsets"))
+    got = ops.mxfp4_rows_to_fp8_cols(packed, scales, lens.to(torch.int32),
+                                     None if offs is None else offs.to(torch.int32))
+    _equal(got, want, ("data int32 splits", "scales int32 splits", "group_offsets int32 splits"))
+
+
+def test_mxfp4_rows_to_fp8_cols_many_experts():
+    """More experts than the kernel's shared-memory table holds (the separate prefix pass)."""
+    t, h, experts = 3000, 256, 1500
+    packed, scales = _mxfp4_input(t, h)
+    lens = torch.randint(0, 4, (experts,), device="cuda")
+    lens[7] = 129
+    lens[8] = 0
+    _dirty_cache(4 * t * h)
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("data", "scales", "group_offsets"))
+
+
+@pytest.mark.parametrize("t", [300, 4096])
+def test_mxfp4_rows_to_fp8_cols_special_columns(t):
+    """Scales within a few binades (the integer fast path) plus: an overflowing (Inf) column beside
+    zero and negative-zero columns of the same 8, a NaN block, an all-zero group, rows outside every
+    segment holding NaN blocks (zero output), a row whose shift sends its group's others below E4M3's
+    normal range."""
+    h = 2048
+    packed = torch.randint(0, 256, (t, h // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(125, 129, (t, h // 32), dtype=torch.uint8, device="cuda")
+    packed[0:3, 0:4] = torch.tensor([0x07, 0x80, 0x00, 0x88], dtype=torch.uint8)  # col 0: code 7, then zeros
+    packed[3:128, 0:4] = 0x88
+    scales[0:3, 0] = 254  # col 0 overflows float32: a NaN scale, zero data; cols 1..7 stay (negative) zeros
+    scales[140, 5] = 0xFF  # a NaN block
+    packed[256:300, 64:128] = 0  # an all-zero stretch
+    scales[200, 3] = 150  # one large row scale
+    lens = torch.tensor([128, 12, 0, 100, 1, 50], device="cuda")
+    offs = torch.tensor([0, 128, t, 150, 149, 250], device="cuda")
+    scales[140:150, 9] = 0xFF  # rows 140..149 partly outside segments (149 is expert 4's only row)
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+    _dirty_cache(4 * t * h)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs), want, ("data", "scales", "group_offsets"))
+    one = lens[:1].new_tensor([t])
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, one)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, one), want, ("data one expert", "scales one expert", "goffs"))
+
+
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h", FP8_HIDDEN)
 def test_quantize_fp8_blockwise(t, h):
