@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The whole GPU check on one machine (2 GPUs for the multi-GPU tests): build the native ops, run every
-# GPU and multi-GPU test of the suite, then the external comparison (torchao, one GPU) and the
-# activation-cache benchmark. torchao comes as a wheel in .whl/ (see benchmarks/RESULTS.md).
-# Logs to $OUT (default ./.out): device.txt, tests.log, external.md, cache.log; summary last.
-#   NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 bash benchmarks/run_gpu_lead.sh
+# The whole GPU check in one call on a 2-GPU machine: the kernel script (build, kernel GPU tests,
+# compute-sanitizer, kernel benchmark), then every other GPU and multi-GPU test of the suite (those of
+# the expert-parallel layer only with EP_TESTS=1), the external comparison with torchao (a wheel in
+# .whl/) and the activation-cache benchmark. Logs to $OUT (default ./.out, at most 8 files).
+#   bash benchmarks/run_gpu_lead.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.out}
@@ -14,17 +14,25 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PWD:/tmp/site
 fi
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__)"
-  git log -1 --format='commit %H %s' 2>/dev/null; } | tee "$OUT/device.txt"
-timeout 300 python3 -m moe_fp4 build >"$OUT/build.log" 2>&1; echo "build rc=$?" | tee -a "$OUT/device.txt"
-tail -3 "$OUT/build.log" >>"$OUT/device.txt"; rm -f "$OUT/build.log"
-timeout ${TESTS_TIMEOUT_S:-300} python3 -m pytest -q -m "gpu or multigpu" -p no:cacheprovider -rs tests 2>&1 \
-  | tail -40 >"$OUT/tests.log"
-tail -3 "$OUT/tests.log"
-timeout 150 python3 benchmarks/bench_external.py --tokens 4096 32768 --out "$OUT" >"$OUT/external.log" 2>&1
-echo "external rc=$?"; rm -f "$OUT/external.json"
-tail -3 "$OUT/external.log"; [ -s "$OUT/external.md" ] && rm -f "$OUT/external.log"
-timeout 120 python3 benchmarks/bench_activation_cache.py --hidden 4096 --tokens 8192 --layers 4 >"$OUT/cache.log" 2>&1
-echo "cache rc=$?"
-cat "$OUT/external.md" "$OUT/cache.log" 2>/dev/null | tail -40
+git log -1 --format='commit %H %s' >"$OUT/commit.txt" 2>/dev/null
+
+# 1. kernels: build, GPU tests, sanitizer, benchmark (device.txt build.log tests.log sanitizer.log bench.log kernels.md)
+OUT=$OUT COMPILE_ARGS="" bash benchmarks/run_gpu_kernels.sh
+{ cat "$OUT/commit.txt"; cat "$OUT/device.txt"; echo "== build"; tail -5 "$OUT/build.log"; } >"$OUT/env.log"
+rm -f "$OUT/commit.txt" "$OUT/device.txt" "$OUT/build.log"
+[ -s "$OUT/kernels.md" ] && rm -f "$OUT/bench.log"
+
+# 2. every other GPU test
+files=(tests/test_formats_gpu.py tests/test_moe_cache.py tests/test_patches_hf.py tests/test_recipes_gpu.py)
+[ "${EP_TESTS:-0}" = 1 ] && files+=(tests/test_ep_gpu.py)
+timeout "${LIMIT_OTHER:-200}" python3 -m pytest -q -p no:cacheprovider -rs -m "gpu or multigpu" "${files[@]}" \
+  >"$OUT/tests_other.log" 2>&1
+echo "other GPU tests rc=$?"; tail -3 "$OUT/tests_other.log"
+
+# 3. torchao on the same GPU, 4. the activation cache (appended to env.log)
+timeout "${LIMIT_EXTERNAL:-120}" python3 benchmarks/bench_external.py --tokens 4096 32768 --out "$OUT" \
+  >>"$OUT/env.log" 2>&1
+echo "external rc=$?"; rm -f "$OUT/external.json"; cat "$OUT/external.md" 2>/dev/null
+{ echo "== activation cache"; timeout 90 python3 benchmarks/bench_activation_cache.py --hidden 4096 --tokens 8192 \
+  --layers 4 2>&1; echo "cache rc=$?"; } | tee -a "$OUT/env.log" | tail -8
+ls "$OUT"
