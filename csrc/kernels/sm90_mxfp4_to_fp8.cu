@@ -2,9 +2,14 @@
 //   FP4RowToFP8Row: one warp per row, half an MX block (8 packed bytes in, one 16-byte store out) per
 //     lane and item; the E4M3 byte of each E2M1 code comes from a byte permute over a small remap
 //     table indexed by the block's shift below the group's largest scale (no float arithmetic).
-//   FP4RowToFP8Col: independent warp tasks of one scale group (<= 128 rows of one expert) times one
-//     MX block column (32 hidden columns), one launch over every expert's groups (the group of a task
-//     found on the device from the split lengths); see the kernel's comment.
+//   FP4RowToFP8Col: two passes. The first: independent warp tasks of one scale group (<= 128 rows of
+//     one expert) times one MX block column (32 hidden columns) over every expert's groups (the group
+//     of a task found on the device from the split lengths), writing the FP32 scales, small per-group
+//     records of the scale bytes and each row's group. The second: warp tasks of one aligned window of
+//     128 tokens times 32 hidden columns convert each row with its group's record and write whole
+//     32-byte sectors of the column-major output that no other task touches, whatever the segment
+//     boundaries. (Without the scratch buffers, one pass does both with stores at the groups' own
+//     unaligned edges.) See the kernels' comments.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 
@@ -606,113 +611,113 @@ __global__ void __launch_bounds__(kThreads, 4) sm90_mxfp4_to_fp8_cols_kernel(con
         for (int r = lane; r < cur.cnt; r += 32) p.row_groups[cur.row0 + r] = cur.g;
       }
     } else {
-    const int wsmax = static_cast<int>(__reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(smax)));
-    // Byte used in the fast formula: an all-zero column (every result zero) takes one that keeps
-    // the lane's shifts in range.
-    const uint32_t sbc = key > 0 ? sb : static_cast<uint32_t>(max(wsmax - 5, 5));
+      const int wsmax = static_cast<int>(__reduce_max_sync(0xFFFFFFFFu, static_cast<unsigned>(smax)));
+      // Byte used in the fast formula: an all-zero column (every result zero) takes one that keeps
+      // the lane's shifts in range.
+      const uint32_t sbc = key > 0 ? sb : static_cast<uint32_t>(max(wsmax - 5, 5));
 
-    if (nan_block) {
-      // Every column of the block is NaN: zero data.
+      if (nan_block) {
+        // Every column of the block is NaN: zero data.
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        uint8_t* dst = p.out + (col - tb + j) * n_out + cur.row0;
+        for (int j = 0; j < 8; ++j) {
+          uint8_t* dst = p.out + (col - tb + j) * n_out + cur.row0;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) store_column_half(dst + 64 * hh, make_uint2(0, 0), tb, cur.cnt - 64 * hh);
-      }
-    } else {
-      uint32_t sbw_lo = 0, sbw_hi = 0, cw_lo = 0, cw_hi = 0;
-      int cmin = 255, cmax = 0;
-      bool special = false;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t b = __shfl_sync(0xFFFFFFFFu, sb, (lane & ~7) + j);
-        const uint32_t c = __shfl_sync(0xFFFFFFFFu, sbc, (lane & ~7) + j);
-        special |= b == kUe8m0Nan;
-        cmin = min(cmin, static_cast<int>(c));
-        cmax = max(cmax, static_cast<int>(c));
-        if (j < 4) {
-          sbw_lo |= b << (8 * j);
-          cw_lo |= (c - 5u) << (8 * j);  // only used when every c >= 5
-        } else {
-          sbw_hi |= b << (8 * (j - 4));
-          cw_hi |= (c - 5u) << (8 * (j - 4));
-        }
-      }
-      const bool fast = !special && cmin >= 5 && cmax - cmin <= 15 && smin + 5 >= cmax && smax + 5 - cmin <= 15;
-      const int s_idle = cmax - 5;  // rows whose 8 codes are all zero: any shift in range will do
-      const bool aligned = out8 && cur.cnt == kTileRows && ((cur.row0 & 7) == 0);
-
-      // 3. E4M3 bytes of four rows at a time, transposed into the columns' words; 4. stored per half.
-      auto row_word = [&](int hh, int t) {  // packed word of row 64 hh + 8 tb + t
-        return *reinterpret_cast<const uint32_t*>(stage + (64 * hh + 8 * tb + (t ^ tb)) * 16 + 4 * o);
-      };
-      auto store_half = [&](int hh, const uint32_t (&out)[8][2]) {
-        uint8_t* dst = p.out + (col - tb) * n_out + cur.row0 + 64 * hh;
-#pragma unroll
-        for (int j = 0; j < 8; ++j, dst += n_out) {
-          const uint2 v = make_uint2(out[j][0], out[j][1]);
-          if (aligned) {
-            *reinterpret_cast<uint2*>(dst + 8 * tb) = v;
-          } else {
-            store_column_half(dst, v, tb, cur.cnt - 64 * hh);
-          }
-        }
-      };
-      if (fast) {
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          uint32_t out[8][2];
-#pragma unroll
-          for (int a = 0; a < 2; ++a) {
-            uint32_t rlo[4], rhi[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const uint32_t w = row_word(hh, 4 * a + i);
-              const uint32_t s = (sw[2 * hh + a] >> (8 * i)) & 0xFFu;
-              const uint32_t sel = w & 0x77777777u;
-              const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;
-              const uint32_t srep = (sel != 0u ? s : static_cast<uint32_t>(s_idle)) * 0x01010101u;
-              const uint32_t x_lo = srep - cw_lo, x_hi = srep - cw_hi;  // bytes S - sb + 5 in [0, 15]
-              const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
-              const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, __umulhi(sel, 0x10000u));
-              rlo[i] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
-              rhi[i] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
-            }
-            transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
-            transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
-          }
-          store_half(hh, out);
+          for (int hh = 0; hh < 2; ++hh) store_column_half(dst + 64 * hh, make_uint2(0, 0), tb, cur.cnt - 64 * hh);
         }
       } else {
-        // Per element through the table (subnormal results, underflow, saturated or NaN columns).
+        uint32_t sbw_lo = 0, sbw_hi = 0, cw_lo = 0, cw_hi = 0;
+        int cmin = 255, cmax = 0;
+        bool special = false;
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          uint32_t out[8][2];
-#pragma unroll
-          for (int a = 0; a < 2; ++a) {
-            uint32_t r[2][4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const uint32_t w = row_word(hh, 4 * a + i);
-              const int s = static_cast<int>((sw[2 * hh + a] >> (8 * i)) & 0xFFu);
-              r[0][i] = r[1][i] = 0u;
-#pragma unroll
-              for (int j = 0; j < 8; ++j) {
-                const uint32_t b = ((j < 4 ? sbw_lo : sbw_hi) >> (8 * (j & 3))) & 0xFFu;
-                const int k = min(max(s - static_cast<int>(b), -14), 9);
-                const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((w >> (4 * j)) & 7u)]) |
-                                   (((w >> (4 * j + 3)) & 1u) << 7);
-                r[j >> 2][i] |= (b == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
-              }
-            }
-            transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], out[0][a], out[1][a], out[2][a], out[3][a]);
-            transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], out[4][a], out[5][a], out[6][a], out[7][a]);
+        for (int j = 0; j < 8; ++j) {
+          const uint32_t b = __shfl_sync(0xFFFFFFFFu, sb, (lane & ~7) + j);
+          const uint32_t c = __shfl_sync(0xFFFFFFFFu, sbc, (lane & ~7) + j);
+          special |= b == kUe8m0Nan;
+          cmin = min(cmin, static_cast<int>(c));
+          cmax = max(cmax, static_cast<int>(c));
+          if (j < 4) {
+            sbw_lo |= b << (8 * j);
+            cw_lo |= (c - 5u) << (8 * j);  // only used when every c >= 5
+          } else {
+            sbw_hi |= b << (8 * (j - 4));
+            cw_hi |= (c - 5u) << (8 * (j - 4));
           }
-          store_half(hh, out);
+        }
+        const bool fast = !special && cmin >= 5 && cmax - cmin <= 15 && smin + 5 >= cmax && smax + 5 - cmin <= 15;
+        const int s_idle = cmax - 5;  // rows whose 8 codes are all zero: any shift in range will do
+        const bool aligned = out8 && cur.cnt == kTileRows && ((cur.row0 & 7) == 0);
+
+        // 3. E4M3 bytes of four rows at a time, transposed into the columns' words; 4. stored per half.
+        auto row_word = [&](int hh, int t) {  // packed word of row 64 hh + 8 tb + t
+          return *reinterpret_cast<const uint32_t*>(stage + (64 * hh + 8 * tb + (t ^ tb)) * 16 + 4 * o);
+        };
+        auto store_half = [&](int hh, const uint32_t (&out)[8][2]) {
+          uint8_t* dst = p.out + (col - tb) * n_out + cur.row0 + 64 * hh;
+#pragma unroll
+          for (int j = 0; j < 8; ++j, dst += n_out) {
+            const uint2 v = make_uint2(out[j][0], out[j][1]);
+            if (aligned) {
+              *reinterpret_cast<uint2*>(dst + 8 * tb) = v;
+            } else {
+              store_column_half(dst, v, tb, cur.cnt - 64 * hh);
+            }
+          }
+        };
+        if (fast) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            uint32_t out[8][2];
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+              uint32_t rlo[4], rhi[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const uint32_t w = row_word(hh, 4 * a + i);
+                const uint32_t s = (sw[2 * hh + a] >> (8 * i)) & 0xFFu;
+                const uint32_t sel = w & 0x77777777u;
+                const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;
+                const uint32_t srep = (sel != 0u ? s : static_cast<uint32_t>(s_idle)) * 0x01010101u;
+                const uint32_t x_lo = srep - cw_lo, x_hi = srep - cw_hi;  // bytes S - sb + 5 in [0, 15]
+                const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
+                const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, __umulhi(sel, 0x10000u));
+                rlo[i] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
+                rhi[i] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+              }
+              transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
+              transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
+            }
+            store_half(hh, out);
+          }
+        } else {
+          // Per element through the table (subnormal results, underflow, saturated or NaN columns).
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            uint32_t out[8][2];
+#pragma unroll
+            for (int a = 0; a < 2; ++a) {
+              uint32_t r[2][4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const uint32_t w = row_word(hh, 4 * a + i);
+                const int s = static_cast<int>((sw[2 * hh + a] >> (8 * i)) & 0xFFu);
+                r[0][i] = r[1][i] = 0u;
+#pragma unroll
+                for (int j = 0; j < 8; ++j) {
+                  const uint32_t b = ((j < 4 ? sbw_lo : sbw_hi) >> (8 * (j & 3))) & 0xFFu;
+                  const int k = min(max(s - static_cast<int>(b), -14), 9);
+                  const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((w >> (4 * j)) & 7u)]) |
+                                     (((w >> (4 * j + 3)) & 1u) << 7);
+                  r[j >> 2][i] |= (b == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
+                }
+              }
+              transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], out[0][a], out[1][a], out[2][a], out[3][a]);
+              transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], out[4][a], out[5][a], out[6][a], out[7][a]);
+            }
+            store_half(hh, out);
+          }
         }
       }
     }
-    }  // !kScales
     __syncwarp();  // every lane is done with this stage before the next copy into it
     const int4 nx = s_next[warp];
     cur.row0 = nx.x;
