@@ -763,7 +763,9 @@ __global__ void __launch_bounds__(kThreads) sm90_cols_write_kernel(const Mxfp4To
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   const uint4* records = reinterpret_cast<const uint4*>(p.col_records);
   const uint4 outside = make_uint4(0x05050505u, 0x05050505u, 0x0505u, 0u);  // rows outside: zero codes
-  for (long long v = gw; v < tasks; v += num_warps) {
+  for (long long t = gw; t < tasks; t += num_warps) {
+    // Last windows first: the rows the first pass read last (the last groups) may still be in the L2.
+    const long long v = tasks - 1 - t;
     const long long w = v / nb;
     const int b = static_cast<int>(v - w * nb);
 #pragma unroll
