@@ -83,11 +83,16 @@ def main() -> int:
             "scales amax/448")
 
         mxfp8_bytes = t * h + t * h // 32
-        add("BF16 -> MXFP8 rows", "torchao triton_to_mxfp8_dim0", shape,
-            _median_us(lambda i: triton_to_mxfp8_dim0(xs[i], 32, "rceil"), ns, args.reps), n_in + mxfp8_bytes)
-        add("BF16 -> MXFP8 columns", "torchao triton_to_mxfp8_dim1", shape,
-            _median_us(lambda i: triton_to_mxfp8_dim1(xs[i], 32, "rceil"), ns, args.reps), n_in + mxfp8_bytes,
-            "transposing")
+        for op, impl, fn, note in (("BF16 -> MXFP8 rows", "torchao triton_to_mxfp8_dim0", triton_to_mxfp8_dim0, ""),
+                                   ("BF16 -> MXFP8 columns", "torchao triton_to_mxfp8_dim1", triton_to_mxfp8_dim1,
+                                    "transposing")):
+            try:
+                fn(xs[0], 32, "rceil")
+            except (AssertionError, RuntimeError) as e:  # torchao gates these kernels by torch/GPU version
+                print(f"{impl}: not available here ({type(e).__name__}: {e})", flush=True)
+                continue
+            add(op, impl, shape, _median_us(lambda i, fn=fn: fn(xs[i], 32, "rceil"), ns, args.reps),
+                n_in + mxfp8_bytes, note)
 
     for t in args.tokens:
         bench_shape(t)

@@ -22,12 +22,14 @@ OUT=$OUT COMPILE_ARGS="" bash benchmarks/run_gpu_kernels.sh
 rm -f "$OUT/commit.txt" "$OUT/device.txt" "$OUT/build.log"
 [ -s "$OUT/kernels.md" ] && rm -f "$OUT/bench.log"
 
-# 2. every other GPU test
-files=(tests/test_formats_gpu.py tests/test_moe_cache.py tests/test_patches_hf.py tests/test_recipes_gpu.py)
+# 2. every other GPU test (the recipes' last: they compile)
+files=(tests/test_formats_gpu.py tests/test_moe_cache.py tests/test_patches_hf.py)
 [ "${EP_TESTS:-0}" = 1 ] && files+=(tests/test_ep_gpu.py)
-timeout "${LIMIT_OTHER:-200}" python3 -m pytest -q -p no:cacheprovider -rs -m "gpu or multigpu" "${files[@]}" \
-  >"$OUT/tests_other.log" 2>&1
-echo "other GPU tests rc=$?"; tail -3 "$OUT/tests_other.log"
+{ timeout "${LIMIT_OTHER:-120}" python3 -m pytest -v -p no:cacheprovider -rs -m "gpu or multigpu" "${files[@]}" 2>&1
+  echo "rc=$?"
+  timeout "${LIMIT_RECIPES:-200}" python3 -m pytest -v -p no:cacheprovider -rs --durations=10 tests/test_recipes_gpu.py 2>&1
+  echo "rc=$?"; } | grep -vE "^$|^platform|^rootdir|^configfile|^plugins|^cachedir|^collect" >"$OUT/tests_other.log"
+grep -E "passed|failed|rc=" "$OUT/tests_other.log" | tail -6
 
 # 3. torchao on the same GPU, 4. the activation cache (appended to env.log)
 timeout "${LIMIT_EXTERNAL:-120}" python3 benchmarks/bench_external.py --tokens 4096 32768 --out "$OUT" \

@@ -337,3 +337,25 @@ def test_selfcheck_driver():
     from moe_fp4.ops import selfcheck
 
     assert selfcheck.run("cuda")
+
+
+@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("gaps", [False, True])
+def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
+    """The one-pass and the two-pass column paths give the spec's bits on the same inputs, whichever
+    the op would choose (column_plan: one pass when every segment starts on a 32-row boundary)."""
+    t, h = 4099, 2048
+    packed, scales = _mxfp4_input(t, h)
+    if aligned:
+        lens = torch.tensor([0, 32, 256, 1024, 96, 0, 64, 2048], device="cuda")
+        offs = torch.tensor([t, 4032, 0, 2816, 256, t, 3872, 512], device="cuda") if gaps else None
+    else:
+        lens, offs = _small_expert_splits(t, gaps)
+    groups, chosen = _ops.column_plan(lens, offs)
+    assert chosen == (not aligned)
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+    native = ops.build()
+    for two_pass in (False, True):
+        _dirty_cache(4 * t * h)
+        got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
+        _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))

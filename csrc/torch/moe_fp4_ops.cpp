@@ -210,11 +210,13 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
 }
 
 // packed uint8 [N, H/2], scales uint8 [N, H/32], split_lens [E] (and offsets) -> (e4m3 [H, N],
-// float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller.
+// float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller, and so
+// is the choice of path: one pass (each group's columns written as they are converted) or two passes
+// (scales first, then whole aligned 32-byte sectors; for segments that start off a 32-row boundary).
 std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
                                                      const std::optional<Tensor>& split_offsets,
-                                                     int64_t num_groups) {
+                                                     int64_t num_groups, bool two_pass) {
   check_packed_scales(packed, scales);
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
@@ -232,8 +234,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   // int64 workspace: [E + 1] expert rows, [G, 2] group rows, then (16-byte aligned) the two-pass
   // path's [G, H/8] 16-byte column records and int32 row groups padded to whole 128-row windows.
   const int64_t head = (p.segments.num + 1 + 2 * num_groups + 1) / 2 * 2;
-  const int64_t record_words = num_groups * (h / 8) * 2;
-  const int64_t row_group_words = (n + 127) / 128 * 128 / 2;
+  const int64_t record_words = two_pass ? num_groups * (h / 8) * 2 : 0;
+  const int64_t row_group_words = two_pass ? (n + 127) / 128 * 128 / 2 : 0;
   Tensor workspace = at::empty({head + record_words + row_group_words}, packed.options().dtype(at::kLong));
   p.packed = packed.data_ptr<uint8_t>();
   p.packed_stride = packed.stride(0);
@@ -244,8 +246,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.group_offsets = reinterpret_cast<long long*>(group_offsets.data_ptr<int64_t>());
   p.workspace = reinterpret_cast<long long*>(workspace.data_ptr<int64_t>());
   p.group_rows = p.workspace + p.segments.num + 1;
-  p.col_records = reinterpret_cast<uint8_t*>(p.workspace + head);
-  p.row_groups = reinterpret_cast<int*>(p.workspace + head + record_words);
+  p.col_records = two_pass ? reinterpret_cast<uint8_t*>(p.workspace + head) : nullptr;
+  p.row_groups = two_pass ? reinterpret_cast<int*>(p.workspace + head + record_words) : nullptr;
   p.rows = n;
   p.hidden = static_cast<int>(h);
   p.num_groups = num_groups;
@@ -306,7 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_byte_rows_to_fp8_rows", &mxfp4_byte_rows_to_fp8_rows, "MXFP4 byte rows -> FP8 1x128 rows",
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
-        py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"));
+        py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
+        py::arg("two_pass"));
   m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
   m.def("dequantize_mxfp4_bf16", &dequantize_mxfp4_bf16, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
         py::arg("scales"));

@@ -156,15 +156,40 @@ def num_scale_groups(split_lens: torch.Tensor) -> int:
     return int(((lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
 
 
+COLUMN_SECTOR_ROWS = 32  # rows per 32-byte sector of the column-major E4M3 output
+
+
+def column_plan(split_lens: torch.Tensor, split_offsets: torch.Tensor | None) -> tuple[int, bool]:
+    """(G, two_pass) for the column kernel, from one host read of the splits.
+
+    G = sum_e ceil(len_e / 128). The one-pass kernel writes each 128-row group's columns as it
+    converts them: fast when every segment (hence every group) starts on a 32-row boundary, so that
+    each 32-byte sector of the [H, N] output belongs to one group. A segment starting anywhere else
+    leaves sectors shared by two groups, each written partially (a DRAM read per partial sector);
+    then the two-pass kernel (scales first, then whole aligned sectors) is the faster one (H200:
+    332 vs 630 us for 32 ragged experts at N = 32768, H = 7168; 335 vs 188 us for equal ones).
+    """
+    lens = split_lens.to(torch.int64)
+    if split_offsets is None:
+        host = lens.cpu()
+        starts = torch.cumsum(host, 0) - host
+    else:
+        host2 = torch.stack((lens, split_offsets.to(torch.int64))).cpu()
+        host, starts = host2[0], host2[1]
+    groups = int(((host + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
+    nonempty = host > 0
+    two_pass = bool((starts[nonempty] % COLUMN_SECTOR_ROWS != 0).any())
+    return groups, two_pass
+
+
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
 def mxfp4_rows_to_fp8_cols_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed):
         check_splits(split_lens, split_offsets, packed.shape[0])  # the output shape needs the lengths anyway
-        return _native.module().mxfp4_to_fp8_cols(
-            packed, scales, split_lens, split_offsets, num_scale_groups(split_lens)
-        )
+        groups, two_pass = column_plan(split_lens, split_offsets)
+        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, groups, two_pass)
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 

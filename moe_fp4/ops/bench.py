@@ -20,7 +20,7 @@ import subprocess
 import torch
 
 from moe_fp4 import formats, ops
-from moe_fp4.ops import _native
+from moe_fp4.ops import _native, _ops
 
 
 def _median_us(fn, nsets: int, reps: int = 60, batch: int = 10) -> float:
@@ -125,8 +125,8 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         # FP4RowToFP8Col, 32 experts of equal length (multiples of 128)
         experts = 32
         lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
-        groups = int(((lens + 127) // 128).sum())
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], lens, None, groups), ns, reps)
+        plan = _ops.column_plan(lens, None)  # (groups, two_pass) as the public op chooses them
+        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
 
         # The unfused sequence at its fastest: one compiled (fused) dequantize to BF16, a transpose
         # copy, then the native FP8 1x128 quantizer.
@@ -143,9 +143,14 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         add(f"FP4RowToFP8Col {experts} experts", shape, us, fp4_bytes + fp8_bytes, **extra)
         cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,))).values
         rlens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])])).cuda()
-        rgroups = int(((rlens + 127) // 128).sum())
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, rgroups), ns, reps)
+        rplan = _ops.column_plan(rlens, None)
+        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
         add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
+        # the path the plan did not choose, for the record
+        for name, ls, (g, two) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
+            us = _median_us(lambda i, ls=ls, g=g, two=two: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], ls, None, g,
+                                                                                    not two), ns, reps)
+            add(f"FP4RowToFP8Col {name}, {'one' if two else 'two'}-pass", shape, us, fp4_bytes + fp8_bytes)
 
         # MXFP4 -> BF16
         us = _median_us(lambda i: native.dequantize_mxfp4_bf16(q[i][0], q[i][1]), ns, reps)
