@@ -30,7 +30,7 @@ import torch
 
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
-from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order
+from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order, start_offsets
 from moe_fp4.ep.payloads import (
     PAYLOAD_IDS,
     BF16Payload,
@@ -185,14 +185,6 @@ def fused_wire(codec: PayloadCodec) -> str | None:
     return codec.name if type(codec) in (BF16Payload, FP8Payload, MXFP4Payload) else None
 
 
-def _offsets(counts: list[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
-
-
 def _describe(t) -> str:
     if isinstance(t, torch.Tensor):
         return f"{t.dtype} {tuple(t.shape)} on {t.device}"
@@ -338,8 +330,8 @@ class Buffer:
         """The payload exchange as point-to-point sends to the other ranks, while this rank's own
         rows are gathered straight into their place in recv_rows (they never enter the network
         library, and the copy overlaps the transfers)."""
-        send_off = _offsets(handle.send_counts)
-        recv_off = _offsets(handle.recv_counts)
+        send_off = start_offsets(handle.send_counts)
+        recv_off = start_offsets(handle.recv_counts)
         me = self.rank
         sends, recvs = {}, {}
         for r in range(self.world_size):

@@ -114,3 +114,12 @@ def send_order(layout: DispatchLayout, num_send: int) -> tuple[torch.Tensor, tor
 
 
 __all__ = ["DispatchLayout", "dispatch_layout", "send_order", "check_topk_idx", "check_experts"]
+
+
+def start_offsets(counts: list[int]) -> list[int]:
+    """Host ints: where each of ``counts``' blocks starts when they are laid back to back."""
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out

@@ -35,6 +35,7 @@ import torch
 
 from moe_fp4.ep import _triton_combine, _triton_rows
 from moe_fp4.ep.backends import TorchDistributedBackend, dist
+from moe_fp4.ep.layout import start_offsets
 
 _MIB = 1 << 20
 
@@ -124,14 +125,6 @@ def _fill(values: list[int], device) -> torch.Tensor:
     return out
 
 
-def _offsets(counts: list[int]) -> list[int]:
-    out, acc = [], 0
-    for c in counts:
-        out.append(acc)
-        acc += c
-    return out
-
-
 def direct_plan(handle, chunks: int) -> dict:
     """Index tensors of the direct path for ``handle`` (cached on it): where each received row lives
     in its source's staging buffer, and where each of this rank's combine partials lives in the
@@ -142,8 +135,8 @@ def direct_plan(handle, chunks: int) -> dict:
     dev = handle.send_token.device
     w, me = handle.world_size, handle.rank
     cm = handle.count_matrix  # cm[s][d]: tokens rank s sends to rank d
-    recv_off = _offsets(handle.recv_counts)
-    send_off = _offsets(handle.send_counts)
+    recv_off = start_offsets(handle.recv_counts)
+    send_off = start_offsets(handle.send_counts)
     n_recv, n_send = sum(handle.recv_counts), sum(handle.send_counts)
     recv_rank = torch.empty(n_recv, dtype=torch.int64, device=dev)
     src_tokens = torch.empty(n_recv, dtype=torch.int64, device=dev)
