@@ -21,14 +21,22 @@ Experts are sharded by index: with E experts on W ranks, rank r keeps experts
 parameters; the other ranks' expert weights are dropped, so an optimizer built after the patch sees
 only the local experts.
 
-This is the path that needs no ``DistributedConfig`` nor DTensor plan: a plain process group and a
-model built the usual way. transformers' own expert-parallel registry
-(``transformers.distributed.expert_parallel.EPImplementationInterface``) is not used.
+Two ways in, sharing that forward (``ExpertParallelExperts``):
+
+* ``enable_expert_parallel(model, group, payload)``: no ``DistributedConfig`` nor DTensor plan, a
+  plain process group and a model built the usual way; the patch shards the experts itself;
+* transformers' own expert-parallel plan: ``register_ep_implementations()`` registers moe_fp4 in
+  ``EPImplementationInterface`` under the names of ``EP_IMPLEMENTATIONS`` ("moe_fp4" sends MXFP4
+  rows, "moe_fp4_bf16" / "moe_fp4_fp8" / "moe_fp4_nvfp4" the other payloads), and
+  ``DistributedConfig(ep_size=W, ..., ep_implementation="moe_fp4")`` selects it. transformers then
+  shards the experts (``grouped_gemm`` rule: the same contiguous split) and builds one
+  ``MoeFp4EP`` per experts module (``ep_dispatch_experts`` rule) with the EP and TP meshes.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad, get_payload
 
@@ -75,9 +83,13 @@ class ExpertParallelExperts:
                                          dtype=dtype)
         n = values.shape[0]
         if n == 0:
-            # no rows here: keep the (empty) output connected to the dispatch, so that this rank's
-            # backward joins the gradient exchanges the other ranks run
-            y = values * 0
+            # No rows here: run the experts on one zero row and keep none of it, so that the (empty)
+            # output stays connected to the dispatch (this rank's backward joins the gradient
+            # exchanges the other ranks run) and the local experts' weights get (zero) gradients,
+            # as on the ranks that received rows (a gradient reduction over replicas expects them).
+            ids = torch.zeros(1, 1, dtype=torch.int64, device=values.device)
+            ones = torch.ones(1, 1, dtype=top_k_weights.dtype, device=values.device)
+            y = self.experts_forward(values.sum(dim=0, keepdim=True), ids, ones)[:0]
         else:
             local_ids = torch.repeat_interleave(
                 torch.arange(self.num_local_experts, device=values.device), out.split_lens).unsqueeze(1)
@@ -137,4 +149,81 @@ def enable_expert_parallel(model: torch.nn.Module, group=None, payload="mxfp4", 
     return [name for name, _ in modules]
 
 
-__all__ = ["ExpertParallelExperts", "enable_expert_parallel", "find_experts_modules"]
+class MoeFp4EP(EPImplementation):
+    """transformers' ``EPImplementation`` with moe_fp4's ``Buffer`` doing the token exchange (MXFP4
+    rows; the subclasses below send the other payloads; gradients travel as ``backward_payload``).
+
+    Built by transformers' plan application (``ep_dispatch_experts`` rule) once per experts module:
+    experts: the module, its ``gate_up_proj`` / ``down_proj`` already sharded by expert (rank r holds
+      experts [r * E_local, (r + 1) * E_local), ``num_experts`` = E_local), its ``forward`` the
+      experts' own, on local expert ids;
+    ep_mesh: the 1-D expert-parallel mesh (W ranks); its process group carries the exchanges;
+    tp_mesh: the ranks sharing one batch; only size 1 is supported (each rank of the EP group
+      holds its own batch).
+    Called with hidden_states float [T, H], top_k_index int64 [T, k] (global expert ids in
+    [0, W * E_local)), top_k_weights float [T, k]; returns float [T, H] (hidden_states' dtype):
+    sum_j top_k_weights[t, j] * expert_{top_k_index[t, j]}(hidden_states[t]) (``ExpertParallelExperts``).
+    Raises ValueError when tp_mesh has more than one rank, or the hidden size does not fit the
+    payload."""
+
+    payload = "mxfp4"
+    backward_payload = "bf16"
+
+    def __init__(self, experts: torch.nn.Module, ep_mesh, tp_mesh):
+        if tp_mesh.size() != 1:
+            raise ValueError(f"tp_mesh: {type(self).__name__} needs a tensor-parallel mesh of size 1 (every rank of "
+                             f"the expert group holding its own batch, DistributedConfig(tp_size=1)), got size "
+                             f"{tp_mesh.size()}")
+        super().__init__(experts, ep_mesh, tp_mesh)
+        codec = get_payload(self.payload)
+        codec.check_hidden(experts.down_proj.shape[1], "payload")
+        buffer = Buffer(self.num_local_experts * ep_mesh.size(), ep_mesh.get_group(), payload=codec)
+        if buffer.rank != ep_mesh.get_local_rank():
+            raise ValueError(f"ep_mesh: rank {ep_mesh.get_local_rank()} of the mesh is rank {buffer.rank} of its "
+                             "process group; expected the same order")
+        self.forward = ExpertParallelExperts(buffer, self.experts_forward, self.num_local_experts, payload=codec,
+                                             backward_payload=self.backward_payload)
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        return self.forward(hidden_states, top_k_index, top_k_weights)
+
+
+class MoeFp4BF16EP(MoeFp4EP):
+    """``MoeFp4EP`` sending BF16 rows."""
+
+    payload = "bf16"
+
+
+class MoeFp4FP8EP(MoeFp4EP):
+    """``MoeFp4EP`` sending FP8 rows (hidden size a multiple of 128)."""
+
+    payload = "fp8"
+
+
+class MoeFp4NVFP4EP(MoeFp4EP):
+    """``MoeFp4EP`` sending NVFP4 rows."""
+
+    payload = "nvfp4"
+
+
+# the names DistributedConfig(ep_implementation=...) takes once register_ep_implementations() ran
+EP_IMPLEMENTATIONS = {"moe_fp4": MoeFp4EP, "moe_fp4_bf16": MoeFp4BF16EP, "moe_fp4_fp8": MoeFp4FP8EP,
+                      "moe_fp4_nvfp4": MoeFp4NVFP4EP}
+
+
+def register_ep_implementations() -> list[str]:
+    """Register moe_fp4 in transformers' ``EPImplementationInterface`` under the names of
+    ``EP_IMPLEMENTATIONS``; returns them. Calling it again changes nothing. Raises ValueError if one
+    of the names is already registered to another implementation."""
+    registered = EPImplementationInterface()
+    for name, cls in EP_IMPLEMENTATIONS.items():
+        if name in registered and registered[name] is not cls:
+            raise ValueError(f"ep_implementation: {name!r} is already registered to {registered[name]!r}")
+    for name, cls in EP_IMPLEMENTATIONS.items():
+        EPImplementationInterface.register(name, cls)
+    return list(EP_IMPLEMENTATIONS)
+
+
+__all__ = ["EP_IMPLEMENTATIONS", "ExpertParallelExperts", "MoeFp4BF16EP", "MoeFp4EP", "MoeFp4FP8EP",
+           "MoeFp4NVFP4EP", "enable_expert_parallel", "find_experts_modules", "register_ep_implementations"]

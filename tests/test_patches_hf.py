@@ -14,6 +14,10 @@ draws the whole world's token ids, so it can check its own results:
   * in training mode, backward: finite gradients for every parameter (the router's too), and the
     local experts' weight gradients against the emulated model's for the same experts, summed over
     both ranks' tokens (the gradients travel as BF16).
+The same checks run with moe_fp4 registered in transformers' expert-parallel registry and the model
+distributed by transformers' own plan application (EP over 2 ranks with FSDP2, on CPU/gloo), and the
+EPImplementation is also built directly on one experts module to check ranks that receive no rows or
+hold no tokens, and the argument checks.
 """
 
 from __future__ import annotations
@@ -31,7 +35,15 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: patches/
 
 from moe_fp4.ep import get_payload  # noqa: E402
-from patches.hf_transformers import enable_expert_parallel, find_experts_modules  # noqa: E402
+from patches.hf_transformers import (  # noqa: E402
+    EP_IMPLEMENTATIONS,
+    MoeFp4BF16EP,
+    MoeFp4EP,
+    MoeFp4FP8EP,
+    enable_expert_parallel,
+    find_experts_modules,
+    register_ep_implementations,
+)
 
 WORLD = 2
 U_BF16 = 2.0 ** -8
@@ -77,6 +89,32 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+def check_layers(seen: dict, ref_experts: dict, payload: str, out: dict) -> None:
+    """Per MoE layer: the patched experts' output y against the reference experts (all E) on the same
+    routing and the payload-rounded input, elementwise within the combine's BF16 bound (module
+    docstring). seen: name -> ((x float32 [T, H], idx int64 [T, k], w float32 [T, k]), y float32
+    [T, H]) from a forward hook; appends the worst error/bound and the relative error to ``out``."""
+    assert sorted(seen) == sorted(ref_experts)
+    for name, ((x, idx, w), y) in seen.items():
+        assert y.dtype == torch.float32 and y.shape == x.shape
+        if x.shape[0] == 0:  # a rank without tokens
+            continue
+        full = ref_experts[name]
+        xq = round_like_payload(x, payload)
+        with torch.no_grad():
+            expect = full(xq, idx, w)
+            per_slot = [full(xq, idx[:, j:j + 1], w[:, j:j + 1]).abs() for j in range(idx.shape[1])]
+        s = torch.stack(per_slot).sum(0)
+        bound = 2 * U_BF16 * s * (1 + 2.0 ** -6) + 2.0 ** -20 * s.amax() + 1e-30
+        err = (y - expect).abs()
+        assert torch.all(err <= bound), f"{name}: worst error / bound {(err / bound).max().item():.3f}"
+        out["bound_ratio"].append((err / bound).max().item())
+        out["block"].append(rel(y, expect))
+        # a wrong expert, weight or token would be far outside that bound
+        with torch.no_grad():
+            assert rel(y, full(x, idx, w)) < (0.01 if payload == "bf16" else 0.5)
+
+
 def case_model(ctx, seed: int, payload: str):
     """Forward (eval) and backward (train) checks on one rank; returns measured errors."""
     model, _ = make_model(seed)
@@ -112,21 +150,7 @@ def case_model(ctx, seed: int, payload: str):
         logits = model(mine).logits
         ref_logits = ref(mine).logits
         emu_logits = emu(mine).logits
-    for name, ((x, idx, w), y) in seen.items():
-        full = ref_experts[name]
-        xq = round_like_payload(x, payload)
-        with torch.no_grad():
-            expect = full(xq, idx, w)
-            per_slot = [full(xq, idx[:, j:j + 1], w[:, j:j + 1]).abs() for j in range(idx.shape[1])]
-        s = torch.stack(per_slot).sum(0)
-        bound = 2 * U_BF16 * s * (1 + 2.0 ** -6) + 2.0 ** -20 * s.amax() + 1e-30
-        err = (y - expect).abs()
-        assert y.dtype == torch.float32 and y.shape == x.shape
-        assert torch.all(err <= bound), f"{name}: worst error / bound {(err / bound).max().item():.3f}"
-        out["bound_ratio"].append((err / bound).max().item())
-        out["block"].append(rel(y, expect))
-        # a wrong expert, weight or token would be far outside that bound
-        assert rel(y, full(x, idx, w)) < (0.01 if payload == "bf16" else 0.5)
+    check_layers(seen, ref_experts, payload, out)
     out["logits"] = rel(logits, ref_logits)
     out["logits_emu"] = rel(logits, emu_logits)
     out["emu_vs_ref"] = rel(emu_logits, ref_logits)
@@ -190,6 +214,10 @@ def check_patched_mixtral(pool, payload):
     seed = random.randrange(1 << 30)
     results = pool.run(case_model, seed, payload)
     print(payload, seed, results)
+    assert_within_tolerances(results, payload)
+
+
+def assert_within_tolerances(results: list, payload: str) -> None:
     for r in results:
         assert max(r["bound_ratio"]) <= 1.0  # checked elementwise in the case; measured 0.7 to 0.9
         if payload == "bf16":
@@ -239,3 +267,171 @@ def test_world_of_one_keeps_every_expert(experts_implementation):
     ids = world_inputs(seed)[0][0]
     with torch.no_grad():
         assert rel(model(ids).logits, ref(ids).logits) < 2e-3
+
+
+# ---- transformers' own expert-parallel plan with moe_fp4 registered as its EPImplementation ------
+
+
+def case_plan(ctx, seed: int, name: str, payload: str):
+    """The unpatched model distributed by transformers' plan application (what from_pretrained runs
+    after building the model): DistributedConfig(ep_size=2, fsdp_size=2, ep_implementation=name),
+    i.e. experts sharded by the grouped_gemm rule, the ep_dispatch_experts rule building one
+    ``EP_IMPLEMENTATIONS[name]`` per experts module, every other parameter under FSDP2. The same
+    checks as case_model; FSDP averages the gradients over the 2 ranks, so the emulated model's loss
+    is the mean of both ranks' losses."""
+    from transformers.distributed import DistributedConfig
+
+    register_ep_implementations()
+    model, _ = make_model(seed)
+    ref = copy.deepcopy(model)
+    emu = copy.deepcopy(model)
+    emulate_payload(emu, payload)
+    ref_experts = dict(find_experts_modules(ref))
+    config, _, meshes = transformers.PreTrainedModel.prepare_distribute_model(
+        DistributedConfig(ep_size=WORLD, fsdp_size=WORLD, ep_implementation=name))
+    model = transformers.PreTrainedModel.maybe_distribute_model(model, config, meshes)
+    lo = 4 * ctx.rank
+    seen = {}
+    for n, full in ref_experts.items():
+        m = model.get_submodule(n)
+        assert m.num_experts == 4
+        assert torch.equal(m.gate_up_proj.to_local(), full.gate_up_proj[lo:lo + 4])
+        assert torch.equal(m.down_proj.to_local(), full.down_proj[lo:lo + 4])
+        m.register_forward_hook(lambda mod, args, out, n=n: seen.__setitem__(
+            n, (tuple(a.detach() for a in args), out.detach())))
+
+    ids, labels = world_inputs(seed)
+    mine = ids[ctx.rank]
+    out = {"block": [], "bound_ratio": []}
+    for m in (model, ref, emu):
+        m.eval()
+    with torch.no_grad():
+        logits = model(mine).logits
+        ref_logits = ref(mine).logits
+        emu_logits = emu(mine).logits
+    check_layers(seen, ref_experts, payload, out)
+    for (_, y) in seen.values():  # the combine's BF16 sums (transformers' own exchange is float32)
+        assert torch.equal(y, y.bfloat16().float())
+    out["logits"] = rel(logits, ref_logits)
+    out["logits_emu"] = rel(logits, emu_logits)
+    out["emu_vs_ref"] = rel(emu_logits, ref_logits)
+
+    model.train()
+    emu.train()
+    loss = torch.nn.functional.cross_entropy(model(mine).logits.reshape(-1, 96), labels[ctx.rank].reshape(-1))
+    loss.backward()
+    emu_loss = sum(torch.nn.functional.cross_entropy(emu(i).logits.reshape(-1, 96), lab.reshape(-1))
+                   for i, lab in zip(ids, labels)) / WORLD
+    emu_loss.backward()
+    emu_params = dict(emu.named_parameters())
+    out["grad"] = []
+    for n, p in model.named_parameters():
+        assert p.grad is not None, f"{n}: no gradient"
+        g = p.grad.to_local()
+        assert torch.isfinite(g).all(), f"{n}: non-finite gradient"
+        if ".experts." in n:  # this rank's experts, whole
+            g_ref = emu_params[n].grad[lo:lo + 4]
+            assert g.abs().sum() > 0
+            out["grad"].append(rel(g, g_ref))
+        elif n.endswith("mlp.gate.weight"):  # the router, through the combine's weight gradient
+            out["grad"].append(rel(p.grad.full_tensor(), emu_params[n].grad))
+    assert len(out["grad"]) == 6
+    return out
+
+
+@pytest.mark.parametrize("name,payload", [("moe_fp4_bf16", "bf16"), ("moe_fp4", "mxfp4")])
+def test_transformers_plan_with_moe_fp4_matches_unpatched(pool, name, payload):
+    """Same tolerances as the enable_expert_parallel path (measured here: logits 3e-4 bf16 and 1.6e-2
+    to 2.2e-2 mxfp4 against float32, 2e-4 to 6e-4 against the emulated model; gradients 1.2e-3 to
+    2.3e-3 bf16, up to 9e-3 mxfp4 where an input crosses an E2M1 rounding boundary)."""
+    seed = random.randrange(1 << 30)
+    results = pool.run(case_plan, seed, name, payload)
+    print(name, seed, results)
+    assert_within_tolerances(results, payload)
+
+
+def case_direct(ctx, seed: int):
+    """MoeFp4BF16EP built directly on one experts module with a gloo DeviceMesh, on routings that
+    leave a rank without rows, then without tokens; the argument checks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from patches.hf_transformers import _keep_local_experts
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("tp", "ep"))
+    ep_mesh, tp_mesh = mesh["ep"], mesh["tp"]
+    model, _ = make_model(seed)
+    full = model.model.layers[0].mlp.experts
+    experts = copy.deepcopy(full)
+    _keep_local_experts(experts, 4 * ctx.rank, 4)
+    with pytest.raises(ValueError, match="tp_mesh"):
+        MoeFp4EP(experts, ep_mesh, init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",)))
+    with pytest.raises(ValueError, match="payload"):
+        MoeFp4FP8EP(experts, ep_mesh, tp_mesh)  # hidden 64 is not a multiple of 128
+    impl = MoeFp4BF16EP(experts, ep_mesh, tp_mesh)
+
+    g = torch.Generator().manual_seed(seed + 2)
+    out = {"block": [], "bound_ratio": [], "grad": []}
+    # 1: every token of both ranks picks two of rank 0's experts: rank 1 receives no rows;
+    # 2: rank 1 holds no tokens, rank 0's pick any expert
+    for routing in ("rank 0 experts", "no tokens on rank 1"):
+        tokens = [16, 0 if routing == "no tokens on rank 1" else 10]
+        high = 4 if routing == "rank 0 experts" else 8
+        xs = [torch.randn(t, 64, generator=g) for t in tokens]
+        idxs = [torch.rand(t, high, generator=g).argsort(-1)[:, :2] for t in tokens]  # 2 distinct experts
+        ws = [torch.rand(t, 2, generator=g).softmax(-1) for t in tokens]
+        dys = [torch.randn(t, 64, generator=g) for t in tokens]
+        x, w = xs[ctx.rank].clone().requires_grad_(), ws[ctx.rank].clone().requires_grad_()
+        experts.zero_grad()
+        y = impl(x, idxs[ctx.rank], w)
+        check_layers({"experts": ((x.detach(), idxs[ctx.rank], w.detach()), y.detach())}, {"experts": full},
+                     "bf16", out)
+        (y * dys[ctx.rank]).sum().backward()
+        # the reference: all 8 experts on both ranks' tokens, the input rounded to BF16 (straight through)
+        full.zero_grad()
+        x_ref = [xi.clone().requires_grad_() for xi in xs]
+        w_ref = [wi.clone().requires_grad_() for wi in ws]
+        for xi, ii, wi, dy in zip(x_ref, idxs, w_ref, dys):
+            if xi.shape[0] == 0:
+                continue
+            xq = xi + (xi.detach().bfloat16().float() - xi).detach()
+            (full(xq, ii, wi) * dy).sum().backward()
+        if tokens[ctx.rank]:
+            out["grad"] += [rel(x.grad, x_ref[ctx.rank].grad), rel(w.grad, w_ref[ctx.rank].grad)]
+        else:
+            assert x.grad.shape == (0, 64) and w.grad.shape == (0, 2)
+        for pname in ("gate_up_proj", "down_proj"):
+            gp = getattr(experts, pname).grad
+            assert gp is not None and torch.isfinite(gp).all()
+            if routing == "rank 0 experts" and ctx.rank == 1:
+                assert torch.equal(gp, torch.zeros_like(gp))  # connected, no rows
+            else:
+                out["grad"].append(rel(gp, getattr(full, pname).grad[4 * ctx.rank:4 * ctx.rank + 4]))
+    return out
+
+
+def test_ep_implementation_direct_empty_ranks(pool):
+    """A rank that receives no rows, or holds no tokens, still joins every exchange (forward and
+    backward) and gets zero, not missing, expert gradients; outputs within the combine's BF16 bound;
+    input, routing-weight and expert gradients within BF16 gradient exchange error (measured 2e-3)."""
+    results = pool.run(case_direct, random.randrange(1 << 30))
+    for r in results:
+        assert max(r["bound_ratio"]) <= 1.0
+        assert r["grad"] and max(r["grad"]) < 1e-2
+
+
+def test_register_ep_implementations():
+    from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+
+    names = register_ep_implementations()
+    assert names == ["moe_fp4", "moe_fp4_bf16", "moe_fp4_fp8", "moe_fp4_nvfp4"]
+    assert register_ep_implementations() == names  # again: nothing changes
+    registry = EPImplementationInterface()
+    for name in names:
+        assert registry[name] is EP_IMPLEMENTATIONS[name] and issubclass(registry[name], EPImplementation)
+        assert registry[name].payload == (name.removeprefix("moe_fp4_") if name != "moe_fp4" else "mxfp4")
+    EPImplementationInterface.register("moe_fp4_bf16", MoeFp4EP)
+    try:
+        with pytest.raises(ValueError, match="ep_implementation"):
+            register_ep_implementations()
+    finally:
+        EPImplementationInterface.register("moe_fp4_bf16", MoeFp4BF16EP)
