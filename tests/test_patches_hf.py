@@ -115,6 +115,28 @@ def check_layers(seen: dict, ref_experts: dict, payload: str, out: dict) -> None
             assert rel(y, full(x, idx, w)) < (0.01 if payload == "bf16" else 0.5)
 
 
+def record_routing(model: torch.nn.Module, names) -> dict:
+    """name -> top_k_index int64 [T, k] of the last call of each named experts module of ``model``."""
+    got = {}
+    for n in names:
+        model.get_submodule(n).register_forward_hook(lambda mod, args, out, n=n: got.__setitem__(n, args[1].detach()))
+    return got
+
+
+def count_flipped_tokens(ctx, routings: list) -> int:
+    """Tokens, over all ranks, whose set of top-k experts differs between the routings (each a dict
+    name -> top_k_index int64 [T, k] of one model on this rank's batch) in some layer. The rounding of
+    an earlier layer's MoE output can flip a near-tie of two router logits; that token then takes
+    another expert, and the logits and gradients differ by far more than rounding."""
+    flipped = torch.zeros(routings[0][next(iter(routings[0]))].shape[0], dtype=torch.bool)
+    for other in routings[1:]:
+        for n, idx in routings[0].items():
+            flipped |= (idx.sort(-1).values != other[n].sort(-1).values).any(-1).cpu()
+    count = torch.tensor([int(flipped.sum())], device=ctx.device)
+    torch.distributed.all_reduce(count, group=ctx.group)
+    return int(count.item())
+
+
 def case_model(ctx, seed: int, payload: str):
     """Forward (eval) and backward (train) checks on one rank; returns measured errors."""
     model, _ = make_model(seed)
@@ -146,10 +168,14 @@ def case_model(ctx, seed: int, payload: str):
     # ---- forward, eval --------------------------------------------------------------------------
     for m in (model, ref, emu):
         m.eval()
+    ref_routing, emu_routing = record_routing(ref, ref_experts), record_routing(emu, ref_experts)
     with torch.no_grad():
         logits = model(mine).logits
         ref_logits = ref(mine).logits
         emu_logits = emu(mine).logits
+    routing = {n: args[1] for n, (args, _) in seen.items()}
+    out["flipped_emu"] = count_flipped_tokens(ctx, [routing, dict(emu_routing)])
+    out["flipped_ref"] = count_flipped_tokens(ctx, [routing, dict(ref_routing)])
     check_layers(seen, ref_experts, payload, out)
     out["logits"] = rel(logits, ref_logits)
     out["logits_emu"] = rel(logits, emu_logits)
@@ -219,11 +245,22 @@ def check_patched_mixtral(pool, payload):
 
 def assert_within_tolerances(results: list, payload: str) -> None:
     for r in results:
-        assert max(r["bound_ratio"]) <= 1.0  # checked elementwise in the case; measured 0.7 to 0.9
+        assert max(r["bound_ratio"]) <= 1.0  # checked elementwise in the case; measured 0.7 to 0.93
+        # A near-tie of two router logits that the rounding of an earlier layer flips makes a token
+        # take another expert than in the emulated or the float32 model: its logits, and (against
+        # the emulated model) every gradient, then differ by far more than rounding, so those
+        # comparisons are skipped for the run (the per-layer checks above still hold; counted over
+        # both ranks' 48 tokens). Measured: against the emulated model about 1 run in 60 flips one
+        # token (bf16); against float32 with mxfp4 (MXFP4's own error) 1 to 3 tokens in most runs.
+        # Many flips would mean wrong MoE outputs.
+        assert r["flipped_emu"] <= 2, f"{r['flipped_emu']} tokens routed unlike the emulated model"
+        assert r["flipped_ref"] <= (2 if payload == "bf16" else 8), f"{r['flipped_ref']} tokens routed unlike float32"
+        if r["flipped_emu"]:
+            continue
         if payload == "bf16":
             # what differs from float32 is the BF16 rounding of the MoE inputs (dispatch) and outputs
             # (combine) at 2 layers: relative logit errors measured 2e-4 to 3.3e-4
-            assert r["logits"] < 2e-3
+            assert r["logits"] < 2e-3 or r["flipped_ref"]
             assert r["logits_emu"] < 2e-3
             # BF16 gradients through dispatch and combine: measured 1.6e-3 to 2.0e-3
             assert max(r["grad"]) < 1e-2
@@ -235,7 +272,7 @@ def assert_within_tolerances(results: list, payload: str) -> None:
             # Against float32: MXFP4's own error (the emulated model's, measured 1.6e-2 to 2.2e-2)
             # plus the above
             assert r["logits"] <= r["emu_vs_ref"] + 1e-2
-            assert r["logits"] < 0.1
+            assert r["logits"] < 0.1  # measured up to 2.9e-2, flips against float32 included
             # gradients: BF16 on the wire plus the flipped MXFP4 roundings: measured 1.7e-3 to 1.7e-2
             assert max(r["grad"]) < 0.1
 
@@ -305,10 +342,14 @@ def case_plan(ctx, seed: int, name: str, payload: str):
     out = {"block": [], "bound_ratio": []}
     for m in (model, ref, emu):
         m.eval()
+    ref_routing, emu_routing = record_routing(ref, ref_experts), record_routing(emu, ref_experts)
     with torch.no_grad():
         logits = model(mine).logits
         ref_logits = ref(mine).logits
         emu_logits = emu(mine).logits
+    routing = {n: args[1] for n, (args, _) in seen.items()}
+    out["flipped_emu"] = count_flipped_tokens(ctx, [routing, dict(emu_routing)])
+    out["flipped_ref"] = count_flipped_tokens(ctx, [routing, dict(ref_routing)])
     check_layers(seen, ref_experts, payload, out)
     for (_, y) in seen.values():  # the combine's BF16 sums (transformers' own exchange is float32)
         assert torch.equal(y, y.bfloat16().float())
@@ -348,6 +389,22 @@ def test_transformers_plan_with_moe_fp4_matches_unpatched(pool, name, payload):
     results = pool.run(case_plan, seed, name, payload)
     print(name, seed, results)
     assert_within_tolerances(results, payload)
+
+
+def case_plan_with_tp(ctx, seed: int):
+    """tp_size=2 through the plan application: MoeFp4EP refuses the TP mesh with a ValueError."""
+    from transformers.distributed import DistributedConfig
+
+    register_ep_implementations()
+    model, _ = make_model(seed)
+    config, _, meshes = transformers.PreTrainedModel.prepare_distribute_model(
+        DistributedConfig(tp_size=WORLD, ep_size=WORLD, ep_implementation="moe_fp4"))
+    with pytest.raises(ValueError, match="tp_mesh: MoeFp4EP needs a tensor-parallel mesh of size 1"):
+        transformers.PreTrainedModel.maybe_distribute_model(model, config, meshes)
+
+
+def test_transformers_plan_with_tensor_parallel_raises(pool):
+    pool.run(case_plan_with_tp, random.randrange(1 << 30))
 
 
 def case_direct(ctx, seed: int):
