@@ -351,7 +351,7 @@ def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
         offs = torch.tensor([t, 4032, 0, 2816, 256, t, 3872, 512], device="cuda") if gaps else None
     else:
         lens, offs = _small_expert_splits(t, gaps)
-    groups, chosen = _ops.column_plan(lens, offs)
+    groups, chosen = _ops.column_plan(lens, offs, t)
     assert chosen == (not aligned)
     want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
     native = ops.build()

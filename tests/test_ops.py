@@ -232,3 +232,25 @@ def test_native_unavailable_on_cpu_build():
 
     assert importlib.import_module("moe_fp4.ops.build").main([]) == 1
     assert callable(ops.build)
+
+
+def test_column_plan_groups_path_and_validation():
+    """The column op's host plan: G = sum ceil(len/128), one pass only when every non-empty segment
+    starts on a 32-row boundary, and the splits validated as formats.check_splits does."""
+    from moe_fp4.ops._ops import column_plan
+
+    lens = torch.tensor([0, 32, 256, 129, 0, 64])
+    assert column_plan(lens, None, 600) == (0 + 1 + 2 + 2 + 0 + 1, True)  # 129 rows: the next starts at 417
+    assert column_plan(torch.tensor([32, 256, 128, 0, 64]), None, 480) == (5, False)
+    offs = torch.tensor([7, 64, 320, 600, 480])
+    assert column_plan(torch.tensor([32, 256, 128, 0, 64]), offs, 600) == (5, True)  # 7: off the boundary
+    offs32 = torch.tensor([0, 64, 320, 3, 544], dtype=torch.int32)
+    assert column_plan(torch.tensor([32, 256, 128, 0, 56], dtype=torch.int32), offs32, 600) == (5, False)
+    with pytest.raises(ValueError, match="split_lens"):
+        column_plan(torch.tensor([300, 301]), None, 600)
+    with pytest.raises(ValueError, match="overlap"):
+        column_plan(torch.tensor([100, 100]), torch.tensor([0, 50]), 600)
+    with pytest.raises(ValueError, match="split_offsets"):
+        column_plan(torch.tensor([100, 100]), torch.tensor([0, 50, 7]), 600)
+    with pytest.raises(ValueError, match="split_offsets"):
+        column_plan(torch.tensor([100, 100]), torch.tensor([0, 550]), 600)

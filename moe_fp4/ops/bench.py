@@ -125,7 +125,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         # FP4RowToFP8Col, 32 experts of equal length (multiples of 128)
         experts = 32
         lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
-        plan = _ops.column_plan(lens, None)  # (groups, two_pass) as the public op chooses them
+        plan = _ops.column_plan(lens, None, t)  # (groups, two_pass) as the public op chooses them
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
 
         # The unfused sequence at its fastest: one compiled (fused) dequantize to BF16, a transpose
@@ -143,7 +143,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         add(f"FP4RowToFP8Col {experts} experts", shape, us, fp4_bytes + fp8_bytes, **extra)
         cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,))).values
         rlens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])])).cuda()
-        rplan = _ops.column_plan(rlens, None)
+        rplan = _ops.column_plan(rlens, None, t)
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
         add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record

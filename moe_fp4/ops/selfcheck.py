@@ -60,7 +60,7 @@ def run(device: str = "cuda") -> bool:
             ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} back to back {what}", got, w)
         # segments starting on 32-row boundaries: the one-pass column path (the others take two passes)
         lens32 = torch.tensor([64, 0, 32, 96, 7], dtype=torch.int64, device=device)
-        assert not ops._ops.column_plan(lens32, None)[1] and ops._ops.column_plan(lens, offs)[1]
+        assert not ops._ops.column_plan(lens32, None, 199)[1] and ops._ops.column_plan(lens, offs, n)[1]
         want = formats.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens32)
         got3 = ops.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens32)
         for got, w, what in zip(got3, want, ("data", "scales", "goffs")):
