@@ -137,6 +137,25 @@ def count_flipped_tokens(ctx, routings: list) -> int:
     return int(count.item())
 
 
+def eval_forward(ctx, model, ref, emu, ref_experts, seen, mine, payload):
+    """One eval forward of the patched, reference and emulated models on this rank's ids: the
+    per-layer checks (check_layers, on the inputs/outputs ``seen`` by the patched experts' hooks)
+    and the routing flips against both. Returns (results dict, the three models' logits)."""
+    out = {"block": [], "bound_ratio": []}
+    for m in (model, ref, emu):
+        m.eval()
+    ref_routing, emu_routing = record_routing(ref, ref_experts), record_routing(emu, ref_experts)
+    with torch.no_grad():
+        logits = model(mine).logits
+        ref_logits = ref(mine).logits
+        emu_logits = emu(mine).logits
+    routing = {n: args[1] for n, (args, _) in seen.items()}
+    out["flipped_emu"] = count_flipped_tokens(ctx, [routing, dict(emu_routing)])
+    out["flipped_ref"] = count_flipped_tokens(ctx, [routing, dict(ref_routing)])
+    check_layers(seen, ref_experts, payload, out)
+    return out, logits, ref_logits, emu_logits
+
+
 def case_model(ctx, seed: int, payload: str):
     """Forward (eval) and backward (train) checks on one rank; returns measured errors."""
     model, _ = make_model(seed)
@@ -163,20 +182,8 @@ def case_model(ctx, seed: int, payload: str):
     ids = [i.to(ctx.device) for i in ids]
     labels = [lab.to(ctx.device) for lab in labels]
     mine = ids[ctx.rank]
-    out = {"block": [], "bound_ratio": []}
-
     # ---- forward, eval --------------------------------------------------------------------------
-    for m in (model, ref, emu):
-        m.eval()
-    ref_routing, emu_routing = record_routing(ref, ref_experts), record_routing(emu, ref_experts)
-    with torch.no_grad():
-        logits = model(mine).logits
-        ref_logits = ref(mine).logits
-        emu_logits = emu(mine).logits
-    routing = {n: args[1] for n, (args, _) in seen.items()}
-    out["flipped_emu"] = count_flipped_tokens(ctx, [routing, dict(emu_routing)])
-    out["flipped_ref"] = count_flipped_tokens(ctx, [routing, dict(ref_routing)])
-    check_layers(seen, ref_experts, payload, out)
+    out, logits, ref_logits, emu_logits = eval_forward(ctx, model, ref, emu, ref_experts, seen, mine, payload)
     out["logits"] = rel(logits, ref_logits)
     out["logits_emu"] = rel(logits, emu_logits)
     out["emu_vs_ref"] = rel(emu_logits, ref_logits)
@@ -339,18 +346,7 @@ def case_plan(ctx, seed: int, name: str, payload: str):
 
     ids, labels = world_inputs(seed)
     mine = ids[ctx.rank]
-    out = {"block": [], "bound_ratio": []}
-    for m in (model, ref, emu):
-        m.eval()
-    ref_routing, emu_routing = record_routing(ref, ref_experts), record_routing(emu, ref_experts)
-    with torch.no_grad():
-        logits = model(mine).logits
-        ref_logits = ref(mine).logits
-        emu_logits = emu(mine).logits
-    routing = {n: args[1] for n, (args, _) in seen.items()}
-    out["flipped_emu"] = count_flipped_tokens(ctx, [routing, dict(emu_routing)])
-    out["flipped_ref"] = count_flipped_tokens(ctx, [routing, dict(ref_routing)])
-    check_layers(seen, ref_experts, payload, out)
+    out, logits, ref_logits, emu_logits = eval_forward(ctx, model, ref, emu, ref_experts, seen, mine, payload)
     for (_, y) in seen.values():  # the combine's BF16 sums (transformers' own exchange is float32)
         assert torch.equal(y, y.bfloat16().float())
     out["logits"] = rel(logits, ref_logits)
