@@ -18,6 +18,19 @@ struct Segments {
   int num = 0;                    // number of segments (experts)
 };
 
+// Several destinations for each token's byte row (the expert-parallel dispatch writing straight into
+// every rank's receive buffer, peers' over NVLink): token t's row goes to row rows[t * num + d] of
+// destination d, at base[d] + row * row_bytes; a negative row, or one at or past capacity[d], is
+// skipped. The addresses are passed by value (no device table to fill before the launch).
+constexpr int kMaxRowDestinations = 8;
+struct RowDestinations {
+  uint8_t* base[kMaxRowDestinations];       // destination d's row 0 (device addresses, peers' included)
+  long long capacity[kMaxRowDestinations];  // rows destination d holds
+  const long long* rows;                    // int64 [T, num]: the row of each (token, destination)
+  int num;                                  // destinations in use, 0..kMaxRowDestinations (0: none)
+  long long row_bytes;                      // bytes between rows, the same in every destination
+};
+
 // BF16ToFP4Row: x [T, H] (row stride x_stride elements) -> MXFP4.
 struct QuantizeMxfp4Params {
   const void* x;             // float32/bfloat16/float16 [T, H]
@@ -33,8 +46,21 @@ struct QuantizeMxfp4Params {
   long long tokens;          // T
   int hidden;                // H, a multiple of 32
   bool round_up;             // scale rounding: true "up" (rceil), false "down" (OCP floor)
+  RowDestinations dests;     // num > 0 (bfloat16 x only): byte rows [H/2 packed | H/32 scales] to
+                             // these destinations instead (packed, scales, row_index, out_rows unused)
 };
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream);
+
+// Encoded byte rows to several destinations: src [T, B] (row stride src_stride bytes) -> dests
+// (row_bytes = B). The dispatch's push of rows that need no encoding (bfloat16 tokens as they are)
+// or were encoded beforehand.
+struct ScatterRowsParams {
+  const uint8_t* src;        // uint8 [T, B]
+  long long src_stride;      // bytes between rows of src
+  long long tokens;          // T
+  RowDestinations dests;     // num >= 1
+};
+cudaError_t launch_scatter_rows(const ScatterRowsParams& p, cudaStream_t stream);
 
 // FP4RowToFP8Row: MXFP4 rows -> E4M3 [N, H] + FP32 scales [N, H/128] + underflow count.
 struct Mxfp4ToFp8RowsParams {

@@ -1,7 +1,9 @@
-// Quantizers from float rows: BF16ToFP4Row (MXFP4, optionally as byte rows at a caller-given row)
-// and BF16 -> FP8 1x128. One warp per row, several 16-byte loads in flight per lane, block absolute
-// maxima reduced with warp shuffles. bfloat16 rows to MXFP4 take 16 elements per lane and encode
-// E2M1 in integer space, two elements per instruction; float32/float16 rows take 8 per lane.
+// Quantizers from float rows: BF16ToFP4Row (MXFP4, optionally as byte rows at a caller-given row, or
+// to several destinations at once: the expert-parallel push into every rank's receive buffer) and
+// BF16 -> FP8 1x128; and the plain multi-destination push of encoded byte rows. One warp per row,
+// several 16-byte loads in flight per lane, block absolute maxima reduced with warp shuffles.
+// bfloat16 rows to MXFP4 take 16 elements per lane and encode E2M1 in integer space, two elements per
+// instruction; float32/float16 rows take 8 per lane.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 
@@ -188,8 +190,27 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
 // item, so a block's absolute maximum takes one shuffle and its scale byte is derived by 2 lanes.
 constexpr int kBf16Unroll = 2;  // items in flight per lane (64 bytes)
 
+// Eight bytes of packed codes (item `item` of a row) and, from every second lane, the block's scale
+// byte, at the row's packed bytes prow and scale bytes srow.
+__device__ __forceinline__ void store_bf16_item(uint8_t* prow, uint8_t* srow, int item, int lane, uint2 codes,
+                                                uint32_t sbyte, bool aligned8, bool aligned4) {
+  uint8_t* dst = prow + item * 8;
+  if (aligned8) {
+    *reinterpret_cast<uint2*>(dst) = codes;
+  } else if (aligned4) {
+    reinterpret_cast<uint32_t*>(dst)[0] = codes.x;
+    reinterpret_cast<uint32_t*>(dst)[1] = codes.y;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 8; ++b) dst[b] = static_cast<uint8_t>((b < 4 ? codes.x : codes.y) >> (8 * (b & 3)));
+  }
+  if ((lane & 1) == 0) srow[item >> 1] = static_cast<uint8_t>(sbyte);
+}
+
 // kRoundUp: "up" scale rounding (every scaled value at most 6: no saturation step), else "down".
-template <bool kRoundUp>
+// kMulti: each token's byte row goes to every destination of p.dests that takes it (the token is read
+// and encoded once; the stores to peers' buffers travel over NVLink while the next tokens load).
+template <bool kRoundUp, bool kMulti>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(const QuantizeMxfp4Params p) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
@@ -198,12 +219,35 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
   const uintptr_t obase = reinterpret_cast<uintptr_t>(p.packed);
   const bool aligned8 = ((p.packed_stride & 7) == 0) && ((obase & 7) == 0);
   const bool aligned4 = ((p.packed_stride & 3) == 0) && ((obase & 3) == 0);
+  // kMulti: bit d set when destination d's rows allow 8-byte (dest_aligned8) / 4-byte stores
+  unsigned dest_aligned8 = 0, dest_aligned4 = 0;
+  if constexpr (kMulti) {
+#pragma unroll
+    for (int d = 0; d < kMaxRowDestinations; ++d) {
+      const uintptr_t b = reinterpret_cast<uintptr_t>(p.dests.base[d]);
+      if (((b | static_cast<uintptr_t>(p.dests.row_bytes)) & 7) == 0) dest_aligned8 |= 1u << d;
+      if (((b | static_cast<uintptr_t>(p.dests.row_bytes)) & 3) == 0) dest_aligned4 |= 1u << d;
+    }
+  }
   for (long long t = warp; t < p.tokens; t += num_warps) {
-    const long long orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
-    if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
+    long long drow[kMulti ? kMaxRowDestinations : 1];
+    long long orow = 0;
+    if constexpr (kMulti) {
+      bool any = false;
+#pragma unroll
+      for (int d = 0; d < kMaxRowDestinations; ++d) {
+        drow[d] = d < p.dests.num ? p.dests.rows[t * p.dests.num + d] : -1;
+        if (drow[d] >= p.dests.capacity[d]) drow[d] = -1;
+        any = any || drow[d] >= 0;
+      }
+      if (!any) continue;  // the same for the whole warp
+    } else {
+      orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
+      if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
+    }
     const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * p.x_stride);
-    uint8_t* prow = p.packed + orow * p.packed_stride;
-    uint8_t* srow = p.scales + orow * p.scales_stride;
+    uint8_t* prow = kMulti ? nullptr : p.packed + orow * p.packed_stride;
+    uint8_t* srow = kMulti ? nullptr : p.scales + orow * p.scales_stride;
     for (int base = 0; base < items; base += 32 * kBf16Unroll) {
       uint4 raw[kBf16Unroll][2];
 #pragma unroll
@@ -248,17 +292,17 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
           codes.y = pack_pair_codes(pc[4], pc[5], pc[6], pc[7]);
         }
         if (item < items) {
-          uint8_t* dst = prow + item * 8;
-          if (aligned8) {
-            *reinterpret_cast<uint2*>(dst) = codes;
-          } else if (aligned4) {
-            reinterpret_cast<uint32_t*>(dst)[0] = codes.x;
-            reinterpret_cast<uint32_t*>(dst)[1] = codes.y;
-          } else {
+          if constexpr (kMulti) {
 #pragma unroll
-            for (int b = 0; b < 8; ++b) dst[b] = static_cast<uint8_t>((b < 4 ? codes.x : codes.y) >> (8 * (b & 3)));
+            for (int d = 0; d < kMaxRowDestinations; ++d) {
+              if (drow[d] < 0) continue;
+              uint8_t* row = p.dests.base[d] + drow[d] * p.dests.row_bytes;
+              store_bf16_item(row, row + p.hidden / 2, item, lane, codes, sbyte, (dest_aligned8 >> d) & 1u,
+                              (dest_aligned4 >> d) & 1u);
+            }
+          } else {
+            store_bf16_item(prow, srow, item, lane, codes, sbyte, aligned8, aligned4);
           }
-          if ((lane & 1) == 0) srow[item >> 1] = static_cast<uint8_t>(sbyte);
         }
       }
     }
@@ -312,6 +356,46 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
   }
 }
 
+// Byte rows to several destinations, one warp per row, V-sized accesses (V: uint4, uint32_t or uint8_t,
+// chosen by the launcher from the alignment of every row), kUnroll accesses in flight per lane.
+template <typename V>
+__global__ void __launch_bounds__(kThreads) sm90_scatter_rows_kernel(const ScatterRowsParams p) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const long long vecs = p.dests.row_bytes / static_cast<long long>(sizeof(V));
+  for (long long t = warp; t < p.tokens; t += num_warps) {
+    long long drow[kMaxRowDestinations];
+    bool any = false;
+#pragma unroll
+    for (int d = 0; d < kMaxRowDestinations; ++d) {
+      drow[d] = d < p.dests.num ? p.dests.rows[t * p.dests.num + d] : -1;
+      if (drow[d] >= p.dests.capacity[d]) drow[d] = -1;
+      any = any || drow[d] >= 0;
+    }
+    if (!any) continue;  // the same for the whole warp
+    const V* src = reinterpret_cast<const V*>(p.src + t * p.src_stride);
+    for (long long base = 0; base < vecs; base += 32 * kUnroll) {
+      V v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const long long i = base + u * 32 + lane;
+        if (i < vecs) v[u] = src[i];
+      }
+#pragma unroll
+      for (int d = 0; d < kMaxRowDestinations; ++d) {
+        if (drow[d] < 0) continue;
+        V* dst = reinterpret_cast<V*>(p.dests.base[d] + drow[d] * p.dests.row_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const long long i = base + u * 32 + lane;
+          if (i < vecs) dst[i] = v[u];
+        }
+      }
+    }
+  }
+}
+
 // Blocks for a persistent grid: enough to fill every SM at the kernel's occupancy, no more than the
 // rows need (one warp per row).
 template <typename Kernel>
@@ -329,6 +413,10 @@ int grid_for_rows(Kernel kernel, long long rows) {
 
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream) {
   if (p.tokens <= 0 || p.hidden <= 0) return cudaSuccess;
+  if (p.dests.num < 0 || p.dests.num > kMaxRowDestinations ||
+      (p.dests.num > 0 && (p.x_type != FloatInput::kBFloat16 || p.dests.rows == nullptr))) {
+    return cudaErrorInvalidValue;  // several destinations: bfloat16 inputs only
+  }
   switch (p.x_type) {
     case FloatInput::kFloat32: {
       auto k = sm90_quantize_mxfp4_kernel<FloatInput::kFloat32>;
@@ -336,7 +424,10 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
       break;
     }
     case FloatInput::kBFloat16: {
-      auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true> : sm90_quantize_mxfp4_bf16_kernel<false>;
+      auto k = p.dests.num > 0
+                   ? (p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, true> : sm90_quantize_mxfp4_bf16_kernel<false, true>)
+                   : (p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, false>
+                                 : sm90_quantize_mxfp4_bf16_kernel<false, false>);
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
@@ -367,6 +458,25 @@ cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_scatter_rows(const ScatterRowsParams& p, cudaStream_t stream) {
+  if (p.tokens <= 0 || p.dests.row_bytes <= 0 || p.dests.num == 0) return cudaSuccess;
+  if (p.dests.num < 0 || p.dests.num > kMaxRowDestinations || p.dests.rows == nullptr) return cudaErrorInvalidValue;
+  uintptr_t bits = reinterpret_cast<uintptr_t>(p.src) | static_cast<uintptr_t>(p.src_stride) |
+                   static_cast<uintptr_t>(p.dests.row_bytes);
+  for (int d = 0; d < p.dests.num; ++d) bits |= reinterpret_cast<uintptr_t>(p.dests.base[d]);
+  if ((bits & 15) == 0) {
+    auto k = sm90_scatter_rows_kernel<uint4>;
+    k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+  } else if ((bits & 3) == 0) {
+    auto k = sm90_scatter_rows_kernel<uint32_t>;
+    k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+  } else {
+    auto k = sm90_scatter_rows_kernel<uint8_t>;
+    k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 #include "sm90_launchers.h"
 
@@ -140,6 +141,72 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
   p.hidden = static_cast<int>(h);
   p.round_up = round_up;
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
+}
+
+// dests: uint8 [R_d, width] CUDA tensors with contiguous rows (a peer's symmetric-memory buffer seen
+// from this GPU counts: only its address is used); rows int64 [T, D] on ref's device, D = len(dests),
+// at most kMaxRowDestinations. Row rows[t, d] of dests[d] receives token t's row (skipped when
+// negative or >= R_d).
+moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, const Tensor& rows, const Tensor& ref,
+                                          int64_t tokens, int64_t width) {
+  const int64_t num = static_cast<int64_t>(dests.size());
+  TORCH_CHECK(num >= 1 && num <= moe_fp4::kMaxRowDestinations, "dests: expected 1 to ",
+              moe_fp4::kMaxRowDestinations, " destination tensors, got ", num);
+  MOE_FP4_CHECK_SAME_DEVICE(rows, ref, "dest_rows");
+  MOE_FP4_CHECK_DTYPE(rows, at::kLong, "dest_rows");
+  MOE_FP4_CHECK_DIM(rows, 2, "dest_rows");
+  TORCH_CHECK(rows.size(0) == tokens && rows.size(1) == num, "dest_rows: expected shape [", tokens, ", ", num,
+              "], got ", rows.sizes());
+  TORCH_CHECK(rows.is_contiguous(), "dest_rows: expected a contiguous tensor");
+  moe_fp4::RowDestinations d{};
+  for (int64_t i = 0; i < num; ++i) {
+    const Tensor& t = dests[i];
+    MOE_FP4_CHECK_CUDA(t, "dests");
+    MOE_FP4_CHECK_DTYPE(t, at::kByte, "dests");
+    MOE_FP4_CHECK_DIM(t, 2, "dests");
+    TORCH_CHECK(t.size(1) == width, "dests: expected ", width, " bytes per row, got ", t.size(1), " in dests[", i, "]");
+    TORCH_CHECK(t.size(0) <= 1 || (t.stride(0) == width && t.stride(1) == 1),
+                "dests: expected back-to-back rows, got strides ", t.strides(), " in dests[", i, "]");
+    d.base[i] = t.data_ptr<uint8_t>();
+    d.capacity[i] = t.size(0);
+  }
+  d.rows = reinterpret_cast<const long long*>(rows.data_ptr<int64_t>());
+  d.num = static_cast<int>(num);
+  d.row_bytes = width;
+  return d;
+}
+
+// x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it.
+void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector<Tensor>& dests,
+                               const Tensor& dest_rows) {
+  check_float_rows(x, 32);
+  MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
+  const int64_t t = x.size(0), h = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  moe_fp4::QuantizeMxfp4Params p{};
+  p.dests = row_destinations(dests, dest_rows, x, t, h / 2 + h / 32);
+  p.x = x.data_ptr();
+  p.x_type = moe_fp4::FloatInput::kBFloat16;
+  p.x_stride = x.stride(0);
+  p.tokens = t;
+  p.hidden = static_cast<int>(h);
+  p.round_up = round_up;
+  check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows_multi");
+}
+
+// src uint8 [T, B] -> each row copied to every destination that takes it.
+void scatter_rows(const Tensor& src, const std::vector<Tensor>& dests, const Tensor& dest_rows) {
+  MOE_FP4_CHECK_CUDA(src, "src");
+  MOE_FP4_CHECK_DTYPE(src, at::kByte, "src");
+  MOE_FP4_CHECK_DIM(src, 2, "src");
+  MOE_FP4_CHECK_INNER(src, "src");
+  const c10::cuda::CUDAGuard guard(src.device());
+  moe_fp4::ScatterRowsParams p{};
+  p.dests = row_destinations(dests, dest_rows, src, src.size(0), src.size(1));
+  p.src = src.data_ptr<uint8_t>();
+  p.src_stride = src.stride(0);
+  p.tokens = src.size(0);
+  check_launch(moe_fp4::launch_scatter_rows(p, c10::cuda::getCurrentCUDAStream()), "scatter_rows");
 }
 
 std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint8_t* packed, int64_t packed_stride,
@@ -303,6 +370,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_mxfp4_rows_into", &quantize_mxfp4_rows_into,
         "x [T,H] float -> byte rows written into out u8 [R,H/2+H/32] at row_index", py::arg("x"),
         py::arg("round_up"), py::arg("out"), py::arg("row_index"));
+  m.def("quantize_mxfp4_rows_multi", &quantize_mxfp4_rows_multi,
+        "x [T,H] bfloat16 -> MXFP4 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
+        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"));
+  m.def("scatter_rows", &scatter_rows, "byte rows src [T,B] copied to dests[d] at dest_rows[t, d]", py::arg("src"),
+        py::arg("dests"), py::arg("dest_rows"));
   m.def("mxfp4_to_fp8_rows", &mxfp4_to_fp8_rows, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_byte_rows_to_fp8_rows", &mxfp4_byte_rows_to_fp8_rows, "MXFP4 byte rows -> FP8 1x128 rows",
