@@ -27,7 +27,7 @@ tests_rc=$?
 echo "tests: rc=$tests_rc ($((SECONDS - t0)) s)"
 
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  --formats "${FORMATS:-bf16,fp8,mxfp4}" --backends "${BACKENDS:-nccl,symm,symm:4}" --breakdown --out "$OUT/dispatch.md" \
+  --formats "${FORMATS:-bf16,fp8,mxfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"

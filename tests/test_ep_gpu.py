@@ -97,10 +97,17 @@ def case_sync_budget(ctx, seed):
     return len(syncs), tuple(combined.shape)
 
 
-def _symm_buffer(ctx, n_exp, payload, chunks):
+def _symm_buffer(ctx, n_exp, payload, chunks, push=False):
+    """chunks: pull-dispatch slices; push=True: the push dispatch (needs chunks == 1)."""
     from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-    return Buffer(n_exp, ctx.group, payload=payload, backend=SymmetricMemoryBackend(ctx.group, chunks=chunks))
+    backend = SymmetricMemoryBackend(ctx.group, chunks=chunks, push=push)
+    return Buffer(n_exp, ctx.group, payload=payload, backend=backend)
+
+
+def _mode(mode):
+    """'push' -> (1, True); 'pullN' -> (N, False)."""
+    return (1, True) if mode == "push" else (int(mode[4:]), False)
 
 
 def _same_outputs(got, ref, what):
@@ -129,13 +136,13 @@ class _TritonOff:
             os.environ["MOE_FP4_EP_TRITON"] = self.old
 
 
-def case_symm_matches_nccl(ctx, seed, payload, chunks, scenario):
+def case_symm_matches_nccl(ctx, seed, payload, mode, scenario):
     """Dispatch (full and cached) and combine (every wire, weighted or not) over symmetric memory
     and over NCCL with the Triton kernels give the bits of the torch reference paths."""
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
     nccl = Buffer(n_exp, ctx.group, payload=payload)
-    symm = _symm_buffer(ctx, n_exp, payload, chunks)
+    symm = _symm_buffer(ctx, n_exp, payload, *_mode(mode))
     assert symm.backend.name == "symm" and symm._direct(x)
     with _TritonOff():
         ref = nccl.dispatch(x, idx, w, return_fp8=True)
@@ -156,7 +163,7 @@ def case_symm_matches_nccl(ctx, seed, payload, chunks, scenario):
     return got.handle.num_rows
 
 
-def case_symm_large(ctx, seed, chunks):
+def case_symm_large(ctx, seed, mode):
     """DeepSeek-V3 rows (hidden 7168, top-8 of 32 experts) over symmetric memory: equal to NCCL's,
     and the fused FP8 expert rows equal to the spec's conversion of the gathered rows."""
     g = torch.Generator().manual_seed(seed)
@@ -165,9 +172,14 @@ def case_symm_large(ctx, seed, chunks):
     idx = torch.argsort(torch.rand(tokens, n_exp, generator=g), 1)[:, :k].to(dev)
     w = torch.rand(tokens, k, generator=g).to(dev)
     ref = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w, return_fp8=True)
-    symm = _symm_buffer(ctx, n_exp, "mxfp4", chunks)
+    symm = _symm_buffer(ctx, n_exp, "mxfp4", *_mode(mode))
     got = symm.dispatch(x, idx, w, return_fp8=True)
     _same_outputs(got, ref, "mxfp4 hidden 7168")
+    for _ in range(2):  # cached: the peers' rows land in this rank's buffer again behind the barriers
+        _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "mxfp4 hidden 7168, cached")
+    bf16_ref = Buffer(n_exp, ctx.group, payload="bf16").dispatch(x, handle=ref.handle)
+    bf16 = symm.dispatch(x, handle=got.handle, payload="bf16")
+    assert_bitwise_equal(bf16.recv_rows, bf16_ref.recv_rows, "bf16 rows hidden 7168")
     want_d, want_s = spec_fp8_of_rows(got.recv_rows, hidden, got.handle.expand_row)
     assert_bitwise_equal(got.fp8[0], want_d, "fused fp8 data vs spec")
     assert_bitwise_equal(got.fp8[1], want_s, "fused fp8 scales vs spec")
@@ -177,14 +189,14 @@ def case_symm_large(ctx, seed, chunks):
     return got.handle.num_rows
 
 
-def case_symm_sync_budget(ctx, seed):
+def case_symm_sync_budget(ctx, seed, mode):
     """No host synchronisation in a cached dispatch or a combine over symmetric memory."""
     g = torch.Generator().manual_seed(seed)
     dev = ctx.device
     x = torch.randn(64, 256, generator=g).to(dev, torch.bfloat16)
     idx = torch.argsort(torch.rand(64, 8, generator=g), 1)[:, :3].to(dev)
     w = torch.rand(64, 3, generator=g).to(dev)
-    buf = _symm_buffer(ctx, 8, "mxfp4", 4)
+    buf = _symm_buffer(ctx, 8, "mxfp4", *_mode(mode))
     out = buf.dispatch(x, idx, w, return_fp8=True)  # warm up: staging allocation, kernels, index plan
     y = out.values()
     buf.combine(y, out.handle)
@@ -200,22 +212,25 @@ def case_symm_sync_budget(ctx, seed):
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
-@pytest.mark.parametrize("chunks", [1, 4])
-def test_symm_matches_nccl(pool, payload, chunks):
-    pool.run(case_symm_matches_nccl, fresh_seed(), payload, chunks, "random")
+@pytest.mark.parametrize("mode", ["push", "pull1", "pull4"])
+def test_symm_matches_nccl(pool, payload, mode):
+    pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "random")
 
 
+@pytest.mark.parametrize("mode", ["push", "pull3"])
 @pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
-def test_symm_matches_nccl_ragged(pool, scenario):
-    pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", 3, scenario)
+def test_symm_matches_nccl_ragged(pool, scenario, mode):
+    pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", mode, scenario)
 
 
-def test_symm_deepseek_rows(pool):
-    pool.run(case_symm_large, fresh_seed(), 4)
+@pytest.mark.parametrize("mode", ["push", "pull4"])
+def test_symm_deepseek_rows(pool, mode):
+    pool.run(case_symm_large, fresh_seed(), mode)
 
 
-def test_symm_sync_budget(pool):
-    pool.run(case_symm_sync_budget, fresh_seed())
+@pytest.mark.parametrize("mode", ["push", "pull4"])
+def test_symm_sync_budget(pool, mode):
+    pool.run(case_symm_sync_budget, fresh_seed(), mode)
 
 
 @pytest.mark.parametrize("hidden", [7168, 128, 2048])

@@ -389,9 +389,12 @@ class _OneRankDirect(LocalBackend):
     direct = True
     side_stream = None
 
-    def __init__(self, chunks):
+    def __init__(self, chunks, push=False):
         super().__init__("cpu")
-        self.chunks, self.capacity, self.barriers, self._keep = chunks, 0, [], []
+        self.chunks, self.push, self.capacity, self.barriers, self._keep = chunks, push, 0, [], []
+
+    def peer_rows(self, rank, rows, width):
+        return self.staging(rows, width)
 
     def usable(self, t):
         return True
@@ -442,3 +445,97 @@ def check_direct_path_in_a_world_of_one():
 
 def test_direct_path_in_a_world_of_one_interpreted():
     _interpreted("check_direct_path_in_a_world_of_one")
+
+
+def check_push_path_in_a_world_of_one():
+    """The push dispatch (each row stored straight into its receiver's rows, behind two barriers)
+    gives the all-to-all path's bits for every payload, full and cached, float32 and bfloat16 tokens."""
+    from moe_fp4.ep import _triton_combine
+
+    _triton_combine._BF16_STORE_OK[torch.device("cpu")] = False
+    for payload in ("mxfp4", "bf16", "fp8", "nvfp4"):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(23, 256) * 3).to(dtype)
+            idx = random_routing(23, 3, 4)
+            idx[5] = -1  # a token sent nowhere
+            w = torch.rand(23, 3)
+            ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
+            backend = _OneRankDirect(1, push=True)
+            buf = Buffer(4, payload=payload, backend=backend)
+            got = buf.dispatch(x, idx, w, return_fp8=True)
+            again = buf.dispatch(x, handle=got.handle, return_fp8=True)
+            for out, what in ((got, "full"), (again, "cached")):
+                assert_bitwise_equal(out.recv_rows, ref.recv_rows, f"{payload} {dtype} {what}: received rows")
+                assert_bitwise_equal(out.fp8[0], ref.fp8[0], f"{payload} {dtype} {what}: fp8")
+            assert backend.barriers == [0, 1, 0, 1], backend.barriers
+
+
+def test_push_path_in_a_world_of_one_interpreted():
+    _interpreted("check_push_path_in_a_world_of_one")
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-destination row ops (the push dispatch's kernels; their spec fallback here, native on GPU in
+# tests/test_kernels_gpu.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _destination_rows(t, caps):
+    cols = []
+    for cap in caps:
+        col = torch.full((t,), -1, dtype=torch.int64)
+        n = min(t, cap)
+        col[torch.randperm(t)[:n]] = torch.randperm(cap)[:n]
+        col[torch.rand(t) < 0.3] = -1
+        col[torch.randint(0, t, (2,))] = cap  # past the end: skipped
+        cols.append(col)
+    return torch.stack(cols, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantize_mxfp4_rows_multi_matches_spec(dtype):
+    from moe_fp4 import ops
+
+    x = (torch.randn(40, 96) * torch.exp2(torch.randint(-20, 20, (40, 1)).float())).to(dtype)
+    x[3, 5] = float("nan")
+    x[4, :32] = 0.0
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    caps = [40, 45, 38]
+    rows = _destination_rows(40, caps)
+    dests = [torch.full((c, want.shape[1]), 0x5A, dtype=torch.uint8) for c in caps]
+    ops.quantize_mxfp4_rows_multi(x, dests, rows)
+    for d, dest in enumerate(dests):
+        keep = (rows[:, d] >= 0) & (rows[:, d] < caps[d])
+        assert_bitwise_equal(dest[rows[keep, d]], want[keep], f"destination {d}")
+        untouched = torch.ones(caps[d], dtype=torch.bool)
+        untouched[rows[keep, d]] = False
+        assert bool((dest[untouched] == 0x5A).all())
+
+
+def test_scatter_rows_and_errors():
+    from moe_fp4 import ops
+
+    src = torch.randint(0, 256, (30, 20), dtype=torch.uint8)
+    caps = [30, 31]
+    rows = _destination_rows(30, caps)
+    dests = [torch.zeros(c, 20, dtype=torch.uint8) for c in caps]
+    ops.scatter_rows(src, dests, rows)
+    for d, dest in enumerate(dests):
+        keep = (rows[:, d] >= 0) & (rows[:, d] < caps[d])
+        assert_bitwise_equal(dest[rows[keep, d]], src[keep], f"destination {d}")
+    bad = [
+        ((src, [], rows[:, :0]), "dests"),
+        ((src, dests * 5, rows), "dests"),
+        ((src, [dests[0][:, :10], dests[1]], rows), "dests"),
+        ((src, [dests[0].t(), dests[1]], rows), "dests"),
+        ((src, dests, rows[:29]), "dest_rows"),
+        ((src, dests, rows.to(torch.int32)), "dest_rows"),
+        ((src, dests, rows.t().contiguous().t()), "dest_rows"),
+        ((src.float(), dests, rows), "src"),
+    ]
+    for args, what in bad:
+        with pytest.raises(ValueError, match=what):
+            ops.scatter_rows(*args)
+    with pytest.raises(ValueError, match="dests"):
+        ops.quantize_mxfp4_rows_multi(torch.randn(30, 64), [torch.zeros(30, 20, dtype=torch.uint8)], rows[:, :1])
+

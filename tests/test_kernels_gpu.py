@@ -116,6 +116,82 @@ def test_quantize_mxfp4_rows(t, h):
     assert bool((out[rest] == 0x5A).all())
 
 
+def _destination_rows(t, caps, dense):
+    """int64 [t, D] on the GPU: distinct rows per destination (D = len(caps)), about a quarter -1
+    (dense: every token everywhere it fits), a few at or past the capacity (skipped)."""
+    cols = []
+    for cap in caps:
+        col = torch.full((t,), -1, dtype=torch.int64)
+        n = min(t, cap)
+        take = torch.randperm(t)[:n] if not dense else torch.arange(n)
+        col[take] = torch.randperm(cap)[:n]
+        if not dense:
+            col[torch.rand(t) < 0.25] = -1
+            col[torch.randperm(t)[: max(1, t // 50)]] = cap + torch.randint(0, 3, (1,)).item()
+        cols.append(col)
+    return torch.stack(cols, 1).cuda().contiguous()
+
+
+def _check_destinations(dests, rows, want, fill, what):
+    for d, dest in enumerate(dests):
+        r = rows[:, d]
+        keep = (r >= 0) & (r < dest.shape[0])
+        assert_bitwise_equal(dest[r[keep]], want[keep], f"{what}: destination {d}")
+        untouched = torch.ones(dest.shape[0], dtype=torch.bool, device="cuda")
+        untouched[r[keep]] = False
+        assert bool((dest[untouched] == fill).all()), f"{what}: destination {d} rows nobody targets were written"
+
+
+@pytest.mark.parametrize("round_up", [True, False])
+@pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 96, False), (300, 2048, False)])
+def test_quantize_mxfp4_rows_multi(t, h, dense, round_up):
+    """Each token's byte row written to several destinations at once equals the spec's row, in every
+    destination that takes it (8 destinations: the most the kernel takes; an unaligned one too)."""
+    x = _float_input(t, h, torch.bfloat16)
+    rounding = "up" if round_up else "down"
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x, scale_rounding=rounding))
+    width = want.shape[1]
+    for num in (1, 2, 8):
+        caps = [t + 3 * d for d in range(num)]
+        rows = _destination_rows(t, caps, dense)
+        dests = [torch.full((c, width), 0x5A, dtype=torch.uint8, device="cuda") for c in caps]
+        if num == 8:  # a destination starting at an odd address: byte stores
+            raw = torch.full((caps[-1] * width + 1,), 0x5A, dtype=torch.uint8, device="cuda")
+            dests[-1] = raw[1:].view(caps[-1], width)
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding)
+        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}")
+
+
+def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
+    x = _float_input(64, 256, torch.float32)
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    rows = _destination_rows(64, [64, 70], False)
+    dests = [torch.full((c, want.shape[1]), 7, dtype=torch.uint8, device="cuda") for c in (64, 70)]
+    ops.quantize_mxfp4_rows_multi(x, dests, rows)
+    _check_destinations(dests, rows, want, 7, "float32 input")
+    with pytest.raises(ValueError, match="dests"):
+        ops.quantize_mxfp4_rows_multi(x, dests * 5, rows)
+    with pytest.raises(ValueError, match="dest_rows"):
+        ops.quantize_mxfp4_rows_multi(x, dests, rows[:, :1].contiguous())
+    with pytest.raises(ValueError, match="dest_rows"):
+        ops.quantize_mxfp4_rows_multi(x, dests, rows.to(torch.int32))
+    with pytest.raises(ValueError, match="dests"):
+        ops.quantize_mxfp4_rows_multi(x, [dests[0][:, :-1], dests[1]], rows)
+
+
+@pytest.mark.parametrize("t,width", [(4096, 14336), (333, 3808), (50, 4036), (9, 17)])
+def test_quantize_scatter_rows(t, width):
+    """Byte rows pushed to several destinations (16-, 4- and 1-byte paths, a strided source)."""
+    wide = torch.randint(0, 256, (t, width + 16), dtype=torch.uint8, device="cuda")
+    src = wide[:, :width] if width % 16 else wide[:, :width].contiguous()
+    for num in (1, 3, 8):
+        caps = [t + d for d in range(num)]
+        rows = _destination_rows(t, caps, num == 1)
+        dests = [torch.full((c, width), 0xA5, dtype=torch.uint8, device="cuda") for c in caps]
+        ops.scatter_rows(src, dests, rows)
+        _check_destinations(dests, rows, src, 0xA5, f"scatter of {width}-byte rows to {num}")
+
+
 @pytest.mark.parametrize("t", TOKENS)
 @pytest.mark.parametrize("h", FP8_HIDDEN)
 def test_mxfp4_to_fp8_blockwise(t, h):

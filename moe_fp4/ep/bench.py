@@ -50,7 +50,8 @@ def _parse(argv):
     p.add_argument("--world", type=int, default=None, help="processes to start when not under torchrun")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
-                   "nccl,symm; CPU: gloo); symm:N is symm with N encode slices")
+                   "nccl,symm; CPU: gloo); symm pushes rows into the receivers' buffers, symm:pull pulls them "
+                   "from the senders', symm:N pulls with N encode slices")
     p.add_argument("--chunks", type=int, default=1, help="encode slices of the symm backend's dispatch")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
                    "transfer, conversions, combine kernels) at the largest token count")
@@ -66,7 +67,7 @@ def _parse(argv):
     a.backends = [b for b in (a.backends or ("nccl,symm" if a.backend == "nccl" else a.backend)).split(",") if b]
     usable = ("nccl", "symm") if a.backend == "nccl" else ("gloo",)
     for b in a.backends:
-        if b.split(":")[0] not in usable or (":" in b and not b.split(":")[1].isdigit()):
+        if b.split(":")[0] not in usable or (":" in b and not (b.split(":")[1].isdigit() or b.split(":")[1] == "pull")):
             p.error(f"--backends: expected some of {usable} with the {a.backend} process group, got {b!r}")
     for f in a.formats:
         if f not in FORMATS:
@@ -159,8 +160,10 @@ def _run(args) -> list[dict]:
         if b.startswith("symm"):
             from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-            chunks = int(b.split(":")[1]) if ":" in b else args.chunks
-            bufs[b] = Buffer(args.experts, payload="bf16", backend=SymmetricMemoryBackend(chunks=chunks))
+            mode = b.split(":")[1] if ":" in b else ""
+            chunks = int(mode) if mode.isdigit() else args.chunks
+            backend = SymmetricMemoryBackend(chunks=chunks, push=not mode)
+            bufs[b] = Buffer(args.experts, payload="bf16", backend=backend)
         else:
             bufs[b] = plain
     rows_out = []
@@ -201,7 +204,16 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     staging = b.staging(x.shape[0], recv.shape[1])
     y = out.values(torch.bfloat16)
     partial = torch.empty(h.num_recv_tokens, hidden, dtype=torch.bfloat16, device=x.device)
+    w_, me = h.world_size, h.rank
+    recv_per_rank = [sum(h.count_matrix[s][r] for s in range(w_)) for r in range(w_)]
+    dests = [recv if r == me else b.peer_rows(r, recv_per_rank[r], recv.shape[1]) for r in range(w_)]
+    own = b.staging(h.num_recv_tokens, recv.shape[1])
+    push_plan = direct_plan(h, 1)
     res = [
+        ("push: fused encode + stores into every receiver (quantize_mxfp4_rows_multi)",
+         timer(lambda: codec.encode_push(x, dests, push_plan["peer_rank_table"]))),
+        ("push: copy all received rows out of the own buffer (upper bound of the copy-out)",
+         timer(lambda: recv.copy_(own))),
         ("encode quantize_mxfp4_rows into staging", timer(lambda: codec.encode_into(x, staging))),
         ("encode + pack rows per destination (NCCL path)", timer(lambda: gather_rows(codec.encode(x), h.send_token))),
         ("pull all received rows (copy_rows)", timer(lambda: _triton_rows.copy_rows(recv, h.recv_src_token,
@@ -218,6 +230,12 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
                                                                                          plan["peer_rank_table"],
                                                                                          hidden))),
     ]
+    if max(recv_per_rank) * 2 * hidden <= b.capacity:  # the buffer has grown to bf16 rows already
+        bf16_dests = [torch.empty(n_, 2 * hidden, dtype=torch.uint8, device=x.device) if r == me else
+                      b.peer_rows(r, n_, 2 * hidden) for r, n_ in enumerate(recv_per_rank)]
+        bf16 = get_payload("bf16")
+        res.append(("push: bf16 rows, plain push (scatter_rows)",
+                    timer(lambda: bf16.encode_push(x, bf16_dests, push_plan["peer_rank_table"]))))
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",

@@ -101,6 +101,12 @@ class PayloadCodec:
         out.copy_(self.encode(x))
         return out
 
+    def encode_push(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+        """encode(x) with row t stored into row dest_rows[t, d] of each dests[d] (uint8 [R_d,
+        row_bytes(H)]; negative rows skipped): the direct dispatch's push into every rank's receive
+        buffer. Default: encode, then ``ops.scatter_rows``."""
+        ops.scatter_rows(self.encode(x), dests, dest_rows)
+
     def decode(self, rows: torch.Tensor, hidden: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         _check_rows(rows, self.row_bytes(hidden), hidden)
         if rows.shape[0] == 0:
@@ -174,6 +180,12 @@ class BF16Payload(PayloadCodec):
             raise ValueError(f"out: expected uint8 {(x.shape[0], 2 * x.shape[1])}, got {out.dtype} {tuple(out.shape)}")
         out.view(torch.bfloat16).copy_(x)
         return out
+
+    def encode_push(self, x, dests, dest_rows):
+        self._check_x(x)
+        if x.dtype != torch.bfloat16 or (x.shape[1] and x.stride(1) != 1):
+            x = x.to(torch.bfloat16).contiguous()
+        ops.scatter_rows(x.view(torch.uint8), dests, dest_rows)  # the tokens' bytes as they are
 
     def _decode(self, rows, hidden, dtype):
         return rows.contiguous().view(torch.bfloat16).to(dtype)
@@ -252,6 +264,13 @@ class MXFP4Payload(PayloadCodec):
         if x.shape[0]:
             ops.quantize_mxfp4_rows(x, scale_rounding=self.scale_rounding, out=out)  # straight into out
         return out
+
+    def encode_push(self, x, dests, dest_rows):
+        """One fused kernel on CUDA for bfloat16 x: each token read and encoded once, its row stored
+        into every destination (``ops.quantize_mxfp4_rows_multi``): no staging copy, no packing pass."""
+        self._check_x(x)
+        if x.shape[0]:
+            ops.quantize_mxfp4_rows_multi(x, dests, dest_rows, scale_rounding=self.scale_rounding)
 
     def _decode(self, rows, hidden, dtype):
         packed, scales = formats.unpack_mxfp4_rows(rows, hidden)

@@ -1,12 +1,18 @@
 """Direct NVLink exchange through torch symmetric memory (``torch.distributed._symmetric_memory``).
 
 ``SymmetricMemoryBackend`` (``Buffer(..., backend="symm")``) keeps NCCL for the small exchanges
-(counts, metadata) and moves the payload rows by having each GPU READ its peers' staging buffers:
+(counts, metadata) and moves the payload rows through the ranks' symmetric-memory buffers:
 
-  dispatch  every rank encodes its tokens into its own staging buffer, in token order (the MXFP4
-            encoder writes the byte rows there directly: no per-destination packing copy); after a
-            device barrier each receiver copies the rows it needs, from every source's buffer, into
-            its receive rows (one Triton copy kernel for all sources).
+  dispatch  (push, the default) one kernel reads each token once, encodes it and stores its row
+            straight into every destination: this rank's receive rows, and each peer's buffer at the
+            row where that peer receives it (stores over NVLink), so the encode overlaps the
+            transfer and there is no staging or packing pass (mxfp4: ``ops.quantize_mxfp4_rows_multi``;
+            bf16: ``ops.scatter_rows`` of the tokens' bytes; other codecs: encode, then that push).
+            After a device barrier each rank copies the peers' blocks out of its own buffer into its
+            receive rows (a local copy, so the returned rows outlive the next dispatch).
+            (pull, ``push=False`` or ``chunks > 1``) every rank encodes its tokens into its own
+            staging buffer, in token order; after a barrier each receiver copies the rows it needs,
+            from every source's buffer, into its receive rows (one Triton copy kernel).
   combine   every expert rank writes its per-token partial sums into its staging buffer; after a
             barrier each token's rank sums (and, for fp8/mxfp4 wires, decodes) its partials straight
             out of the peers' buffers (one Triton kernel: no receive buffer, no all-to-all).
@@ -44,14 +50,16 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
     """Payload rows and combine partials by direct reads of peers' symmetric-memory buffers.
 
     group: an NCCL process group (None: the default group) whose ranks share NVLink (one host);
-    chunks: slices of the dispatch encode (and of the bf16 combine) pipelined with the transfer
-      (1, the default: no pipelining, which measured faster on 2 H200s; see
-      benchmarks/results/dispatch.md);
+    chunks: slices of the pull dispatch's encode (and of the bf16 combine) pipelined with the
+      transfer (1, the default: no pipelining, which measured faster on 2 H200s; see
+      benchmarks/results/dispatch.md); chunks > 1 dispatches by pulling;
+    push: dispatch by pushing each encoded row into its receivers' buffers (True, the default) or by
+      pulling rows out of the senders' staging buffers (False);
     timeout_ms: how long a device barrier waits for a peer before the kernel traps."""
 
     direct = True
 
-    def __init__(self, group=None, *, chunks: int = 1, timeout_ms: int = 120_000):
+    def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -63,7 +71,9 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self._symm = symm_mem
         self.name = "symm"
         self.chunks = chunks
+        self.push = bool(push)
         self.timeout_ms = timeout_ms
+        self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
         self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
         self._buffer = None
@@ -101,6 +111,18 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self._buffer, self._handle = buf, handle
         self.bases = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=self.device)
         self.capacity = size
+        self._peer_views = {}
+
+    def peer_rows(self, rank: int, rows: int, width: int) -> torch.Tensor:
+        """uint8 [rows, width]: the start of ``rank``'s buffer as a tensor of this GPU (a peer's
+        buffer is mapped over NVLink; writes to it land in the peer's memory)."""
+        if rows * width > self.capacity:
+            raise ValueError(f"rows: {rows} rows of {width} bytes exceed the buffer ({self.capacity} bytes)")
+        if rank == self.rank:
+            return self.staging(rows, width)
+        if rank not in self._peer_views:
+            self._peer_views[rank] = self._handle.get_buffer(rank, (self.capacity,), torch.uint8, 0)
+        return self._peer_views[rank][: rows * width].view(rows, width)
 
     def staging(self, rows: int, width: int) -> torch.Tensor:
         """uint8 [rows, width]: the start of this rank's staging buffer (rows back to back)."""
@@ -169,6 +191,8 @@ def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
 def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
     """The payload exchange of a dispatch: x [T, H] -> received rows uint8 [n_recv, row_bytes],
     grouped by source rank, the same bytes as the all-to-all path."""
+    if getattr(backend, "push", False) and backend.chunks == 1:
+        return push_rows(backend, x, codec, handle)
     width = codec.row_bytes(x.shape[1])
     chunks = backend.chunks if codec.rowwise else 1
     plan = direct_plan(handle, chunks)
@@ -195,6 +219,37 @@ def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
                                    plan["recv_chunk"] if chunks > 1 else None, c)
     if cuda:
         main.wait_stream(side)
+    return recv
+
+
+def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
+    """The push dispatch: x [T, H] -> received rows uint8 [n_recv, row_bytes] (grouped by source
+    rank, the bytes of the all-to-all path). Rows for this rank go straight into the returned
+    tensor; rows for rank r into r's buffer at the row r receives them (``peer_rank_table``); after
+    the barrier the peers' blocks are copied out of this rank's buffer (contiguous slices)."""
+    w, me = handle.world_size, handle.rank
+    width = codec.row_bytes(x.shape[1])
+    plan = direct_plan(handle, 1)
+    recv_per_rank = [sum(handle.count_matrix[s][r] for s in range(w)) for r in range(w)]
+    backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
+    recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
+    try:
+        dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
+    except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
+        warnings.warn(f"symm backend: cannot address peers' buffers as tensors ({e}); dispatching by pulling",
+                      RuntimeWarning, stacklevel=3)
+        backend.push = False  # (every rank fails alike: the same torch on one host)
+        return dispatch_rows(backend, x, codec, handle)
+    backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
+    codec.encode_push(x, dests, plan["peer_rank_table"])
+    backend.barrier(1)  # every row has landed
+    recv_off = start_offsets(handle.recv_counts)
+    own = backend.staging(handle.num_recv_tokens, width)
+    # the peers' blocks are [0, my block) and [after my block, n_recv): at most two local copies
+    lo, hi = recv_off[me], recv_off[me] + handle.recv_counts[me]
+    for a, b in ((0, lo), (hi, handle.num_recv_tokens)):
+        if b > a:
+            recv[a:b].copy_(own[a:b])
     return recv
 
 
@@ -262,4 +317,4 @@ def _pipelined_bf16_combine(backend, y, handle, weights, staging, plan) -> torch
     return out
 
 
-__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows"]
+__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows", "push_rows"]

@@ -6,6 +6,9 @@ custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile t
 
   quantize_mxfp4               BF16ToFP4Row: float [T, H] -> packed E2M1 [T, H/2] + UE8M0 [T, H/32]
   quantize_mxfp4_rows          the same as byte rows [R, H/2 + H/32], optionally at given rows (dispatch)
+  quantize_mxfp4_rows_multi    the byte rows of each token written to several destinations at once
+                               (the expert-parallel push into every rank's receive buffer)
+  scatter_rows                 byte rows copied to several destinations (the push of rows needing no encode)
   mxfp4_to_fp8_blockwise       FP4RowToFP8Row: MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
   mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
@@ -49,6 +52,8 @@ __all__ = [
     "quantize_fp8_blockwise",
     "quantize_mxfp4",
     "quantize_mxfp4_rows",
+    "quantize_mxfp4_rows_multi",
+    "scatter_rows",
 ]
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -181,6 +186,68 @@ def quantize_mxfp4_rows(
             raise ValueError(f"row_index: expected shape ({x.shape[0]},), got {tuple(row_index.shape)}")
     _ops.quantize_mxfp4_rows_into_op(x, scale_rounding, out, row_index)
     return out
+
+
+MAX_ROW_DESTINATIONS = 8  # csrc/kernels/sm90_launchers.h: kMaxRowDestinations
+
+
+def _destinations(dests, dest_rows, ref, tokens, width):
+    if not isinstance(dests, (list, tuple)) or not 1 <= len(dests) <= MAX_ROW_DESTINATIONS:
+        raise ValueError(f"dests: expected a list of 1 to {MAX_ROW_DESTINATIONS} uint8 tensors, got "
+                         f"{type(dests).__name__} of {len(dests) if isinstance(dests, (list, tuple)) else '?'}")
+    for i, d in enumerate(dests):
+        _tensor(d, f"dests[{i}]", (torch.uint8,), 2)
+        if d.device.type != ref.device.type:  # (a peer's buffer mapped on this GPU has this device's type)
+            raise ValueError(f"dests[{i}]: expected a {ref.device.type} tensor, got {d.device}")
+        if d.shape[1] != width:
+            raise ValueError(f"dests[{i}]: expected {width} bytes per row, got {d.shape[1]}")
+        if d.shape[0] > 1 and (d.stride(0) != width or d.stride(1) != 1):
+            raise ValueError(f"dests[{i}]: expected back-to-back rows, got strides {d.stride()}")
+    _tensor(dest_rows, "dest_rows", (torch.int64,), 2)
+    _same_device(dest_rows, ref, "dest_rows")
+    if tuple(dest_rows.shape) != (tokens, len(dests)):
+        raise ValueError(f"dest_rows: expected shape {(tokens, len(dests))}, got {tuple(dest_rows.shape)}")
+    if not dest_rows.is_contiguous():
+        raise ValueError("dest_rows: expected a contiguous tensor")
+
+
+def quantize_mxfp4_rows_multi(
+    x: torch.Tensor,
+    dests: list[torch.Tensor],
+    dest_rows: torch.Tensor,
+    *,
+    scale_rounding: str = "up",
+) -> None:
+    """BF16ToFP4Row to several destinations at once: each token is read and encoded once and its byte
+    row (quantize_mxfp4_rows' layout) stored into every destination that takes it. The expert-parallel
+    dispatch uses it to write straight into every rank's receive buffer (peers' over NVLink).
+
+    x: bfloat16/float32/float16 [T, H], H a multiple of 32 (bfloat16 on CUDA: one fused kernel; other
+      dtypes: the rows first, then ``scatter_rows``).
+    dests: 1 to 8 uint8 tensors [R_d, H/2 + H/32] with back-to-back rows (on CUDA any memory this GPU
+      can address, e.g. a peer's symmetric-memory buffer).
+    dest_rows: int64 [T, D] on x's device, D = len(dests): token t goes to row dest_rows[t, d] of
+      dests[d]; a negative row (or one >= R_d) is skipped. Rows of one destination must be distinct.
+    Writes in place; other rows of the destinations are left untouched.
+    """
+    _float_rows(x, 32)
+    _rounding(scale_rounding)
+    _destinations(dests, dest_rows, x, x.shape[0], formats.mxfp4_row_bytes(x.shape[1]))
+    _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows)
+
+
+def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+    """Byte rows to several destinations: row t of src is copied to row dest_rows[t, d] of dests[d]
+    (skipped when negative or >= R_d). The dispatch's push of rows that need no encoding.
+
+    src: uint8 [T, B] (contiguous last dimension); dests: 1 to 8 uint8 tensors [R_d, B] with
+    back-to-back rows; dest_rows: int64 [T, D] on src's device. Writes in place.
+    """
+    _tensor(src, "src", (torch.uint8,), 2)
+    if src.shape[1] and src.stride(1) != 1:
+        raise ValueError(f"src: expected a contiguous last dimension, got strides {src.stride()}")
+    _destinations(dests, dest_rows, src, src.shape[0], src.shape[1])
+    _ops.scatter_rows_op(src, list(dests), dest_rows)
 
 
 def mxfp4_to_fp8_blockwise(

@@ -113,6 +113,50 @@ def _(x, scale_rounding, out, row_index):
     return None
 
 
+def _spec_scatter_rows(src, dests, dest_rows):
+    rows = dest_rows.to(torch.int64)
+    for d, dest in enumerate(dests):
+        r = rows[:, d]
+        keep = (r >= 0) & (r < dest.shape[0])  # as the kernel: rows outside the destination are skipped
+        dest[r[keep]] = src[keep]
+
+
+@torch.library.custom_op(f"{LIB}::scatter_rows", mutates_args=("dests",))
+def scatter_rows_op(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+    if _native_for(src):
+        _native.module().scatter_rows(src, dests, dest_rows)
+    else:
+        _spec_scatter_rows(src, dests, dest_rows)
+
+
+@scatter_rows_op.register_fake
+def _(src, dests, dest_rows):
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_multi", mutates_args=("dests",))
+def quantize_mxfp4_rows_multi_op(
+    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor
+) -> None:
+    if _native_for(x) and x.dtype == torch.bfloat16:
+        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows)
+        return
+    # other input dtypes (and the spec): the rows once, then the push
+    t, h = x.shape
+    rows = torch.empty((t, formats.mxfp4_row_bytes(h)), dtype=torch.uint8, device=x.device)
+    if _native_for(x):
+        _native.module().quantize_mxfp4_rows_into(x, _round_up(scale_rounding), rows, None)
+        _native.module().scatter_rows(rows, dests, dest_rows)
+    else:
+        _spec_rows_into(x, scale_rounding, rows, None)
+        _spec_scatter_rows(rows, dests, dest_rows)
+
+
+@quantize_mxfp4_rows_multi_op.register_fake
+def _(x, scale_rounding, dests, dest_rows):
+    return None
+
+
 @torch.library.custom_op(f"{LIB}::mxfp4_to_fp8_blockwise", mutates_args=())
 def mxfp4_to_fp8_blockwise_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
