@@ -251,3 +251,18 @@ def test_blackwell_swizzle_round_trip_and_positions():
     assert sw[16:20].tolist() == s[1].tolist()
     e4 = torch.randn(128, 8).to(torch.float8_e4m3fn)
     assert F.to_blackwell_scale_layout(e4).dtype == torch.float8_e4m3fn
+
+
+def test_nvfp4_block_divisor_is_the_float32_rounded_product():
+    # d = float32(e4m3 * global_scale), rounded once: the float32 product equals the exact product
+    # (formed in float64, where it is exact) rounded to float32, for every E4M3 code and fresh scales.
+    from moe_fp4.formats.nvfp4 import block_divisor
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    for gs in torch.rand(8, dtype=torch.float64).mul(1e-2).to(torch.float32):
+        got = block_divisor(codes, gs)
+        exact = F.decode_elements(codes, F.E4M3).to(torch.float64) * gs.to(torch.float64)
+        want = exact.to(torch.float32)
+        finite = torch.isfinite(want)
+        assert torch.equal(got[finite].view(torch.int32), want[finite].view(torch.int32))
+        assert torch.isnan(got[~finite]).all()

@@ -581,7 +581,7 @@ def test_quantizer_choice_follows_the_device():
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert use_compiled("auto", cuda, qdq_mxfp8) and not use_compiled("auto", cpu, qdq_mxfp8)
-    assert not use_compiled("auto", cuda, qdq_nvfp4)  # NVFP4 stays eager on "auto" (see EAGER_ON_AUTO)
+    assert use_compiled("auto", cuda, qdq_nvfp4) and not use_compiled("auto", cpu, qdq_nvfp4)
     assert use_compiled("compiled", cpu, qdq_nvfp4) and not use_compiled("eager", cuda, qdq_mxfp8)
     assert MXFP8Recipe().quantizer == "auto"
 

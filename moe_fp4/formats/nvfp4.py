@@ -48,6 +48,18 @@ def nvfp4_global_scale(global_amax: torch.Tensor | float) -> torch.Tensor:
     return (a / NVFP4_GLOBAL_DENOM).to(torch.float32)
 
 
+def block_divisor(scale_codes: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``d = e4m3_value(scale_codes) * global_scale``, correctly rounded once.
+
+    scale_codes: uint8 E4M3 codes of any shape; global_scale: float32 0-dim. The product is formed
+    in float32 arithmetic, which IEEE 754 rounds once from the exact product. (Forming it in float64
+    and casting to float32 gives the same value eagerly, but torch.compile's GPU code drops a float64
+    -> float32 -> float64 round trip, so the later division saw the unrounded divisor and rounded a
+    few elements at E2M1 ties the other way.)
+    """
+    return decode_elements(scale_codes, E4M3) * global_scale.to(torch.float32)
+
+
 def quantize_nvfp4(
     x: torch.Tensor,
     *,
@@ -83,8 +95,7 @@ def quantize_nvfp4(
     gs64 = gs.to(torch.float64)
     bscale = torch.where(gs64 > 0, bamax.to(torch.float64) / (6.0 * gs64), torch.zeros_like(gs64))
     scale_codes = encode_elements(bscale.to(torch.float32), E4M3)
-    d = (decode_elements(scale_codes, E4M3).to(torch.float64) * gs64).to(torch.float32)
-    d64 = d.to(torch.float64).unsqueeze(-1)
+    d64 = block_divisor(scale_codes, gs).to(torch.float64).unsqueeze(-1)
     scaled = torch.where(d64 > 0, blocks.to(torch.float64) / torch.where(d64 > 0, d64, 1.0), 0.0)
     scaled = torch.where(nonfinite.unsqueeze(-1), 0.0, scaled).to(torch.float32)
     codes = encode_elements(scaled, E2M1, rounding=rounding, generator=generator)
@@ -111,8 +122,8 @@ def dequantize_nvfp4(
         if tuple(scales.shape) != shape_2d:
             raise ValueError(f"scales: expected shape {shape_1d} (1x16) or {shape_2d} (16x16), "
                              f"got {tuple(scales.shape)}")
-    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device).reshape(()).to(torch.float64)
-    d = (decode_elements(scales.view(torch.uint8), E4M3).to(torch.float64) * gs).to(torch.float32)
+    gs = torch.as_tensor(global_scale, dtype=torch.float32, device=packed.device).reshape(())
+    d = block_divisor(scales.view(torch.uint8), gs)
     values = decode_elements(unpack_fp4(packed), E2M1)
     shape = values.shape
     out = _blocks(values, block_2d) * d.unsqueeze(-1)
