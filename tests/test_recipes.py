@@ -666,3 +666,19 @@ def test_compiled_quantizer_falls_back_to_the_eager_spec(monkeypatch, failure):
     again, _ = r.quantize_rows(g, role="grad", gemm="dgrad", generator=gen_a)  # eager from now on, no warning
     want, _ = MXFP4Recipe(quantizer="eager").quantize_rows(g, role="grad", gemm="dgrad", generator=gen_b)
     assert_bitwise_equal(again, want, failure + " (second call)")
+
+
+@pytest.mark.parametrize("fn_args", ["mxfp8", "mxfp4", "nvfp4", "nvfp4_2d", "fp8"])
+def test_compiled_nearest_quantizers_trace_to_one_graph(fn_args):
+    # The spec's value checks (host reads) are skipped while tracing, so a quantize -> dequantize
+    # with nearest rounding is one graph: no host synchronisation inside an emulated operand.
+    import moe_fp4.recipes.compiled as C
+
+    fn, args = {"mxfp8": (C.qdq_mxfp8, ("e4m3", "up", torch.bfloat16)),
+                "mxfp4": (C.qdq_mxfp4, ("down", "nearest", torch.bfloat16)),
+                "nvfp4": (C.qdq_nvfp4, (False, "nearest", True, torch.bfloat16)),
+                "nvfp4_2d": (C.qdq_nvfp4, (True, "nearest", False, torch.float32)),
+                "fp8": (C.qdq_fp8_blockwise, ((128, 128), torch.bfloat16))}[fn_args]
+    t = torch.randn(128, 256) * 3
+    explained = torch._dynamo.explain(fn)(t, None, *args)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons

@@ -10,6 +10,10 @@ for bit. The rules of each format are in its module's docstring:
   convert        direct MXFP4 -> FP8 1x128 rows and FP8 columns per expert
   ragged         split lengths / offsets of rows grouped by expert
   swizzle        the Blackwell 128x4 scale layout and its inverse
+
+Bad arguments raise ValueError naming the argument. Checks that read tensor values (codes out of
+range, a negative amax) are skipped while torch.compile traces a caller, since each would force a
+host synchronisation; shape, dtype and argument checks always run.
 """
 
 from moe_fp4.formats.convert import FP8_GROUP, FP8_HEADROOM_EXP, mxfp4_rows_to_fp8_cols, mxfp4_to_fp8_blockwise

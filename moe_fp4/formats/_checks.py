@@ -17,6 +17,14 @@ def check_tensor(t, name: str, *, dtypes=None, min_dim: int = 0, dim: int | None
         raise ValueError(f"{name}: expected at least {min_dim} dimension(s), got shape {tuple(t.shape)}")
 
 
+def value_checks() -> bool:
+    """Whether checks that read tensor values run. They are skipped while torch.compile traces: each
+    would force a host synchronisation and split the compiled code into separate graphs (the recipes
+    compile the spec's quantize -> dequantize, whose intermediate codes are valid by construction).
+    Checks of shapes, dtypes and arguments always run."""
+    return not torch.compiler.is_compiling()
+
+
 def check_multiple(size: int, block: int, name: str, dim_desc: str = "last dimension") -> None:
     if size % block != 0:
         raise ValueError(f"{name}: {dim_desc} ({size}) must be a multiple of {block}")
