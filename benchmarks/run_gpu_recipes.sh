@@ -50,7 +50,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.out/reci
     echo "rc=${PIPESTATUS[0]}"; date -u
     echo "== GPU tests: compiled == eager spec, the ablation's operand kinds"
     timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider --durations=5 tests/test_recipes_gpu.py \
-      -k "test_compiled_quantizers_match_eager_spec and bfloat16 or test_compiled_fp8_quantizer" 2>&1 | tail -n 40
+      -k "test_compiled_quantizers_match_eager_spec and bfloat16 or test_compiled_fp8_quantizer or nvfp4_on_large" 2>&1 | tail -n 40
     echo "rc=${PIPESTATUS[0]}"; date -u
     wait $ABL
     echo "ablation rc=$?"; date -u
