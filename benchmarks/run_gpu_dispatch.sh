@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The EP layer on 2 GPUs: build the native ops (the layer works without them), run the multi-GPU EP
-# tests (NCCL and the symmetric-memory backend), run the dispatch benchmark for both backends with a
+# The EP layer on 2 GPUs: build the native ops (the layer works without them), run the GPU tests of
+# the dispatch's row kernels, the multi-GPU EP tests (NCCL and the symmetric-memory backend) and the
+# transformers integration's multi-GPU tests, then the dispatch benchmark for the backends with a
 # breakdown of the mxfp4 path. Logs go to $OUT (default /tmp/moe_fp4_dispatch); a summary is printed last.
 #   bash benchmarks/run_gpu_dispatch.sh
 set -u
@@ -21,13 +22,28 @@ build_rc=$?
 native=$(python -c "from moe_fp4 import ops; print('native_available', ops.native_available())" 2>&1 | tail -1)
 echo "build: $build_rc ($((SECONDS - t0)) s); $native"
 
-timeout -s INT -k 10 "${TESTS_S:-120}" python -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
+# the native row kernels of the dispatch (BF16ToFP4Row to one and to several destinations, row push)
+timeout -s INT -k 10 "${KTESTS_S:-60}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter}" \
+  tests/test_kernels_gpu.py > "$OUT/tests_kernels.log" 2>&1
+ktests_rc=$?
+echo "kernel tests: rc=$ktests_rc ($((SECONDS - t0)) s)"
+
+timeout -s INT -k 10 "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider ${TESTS_K:+-k "$TESTS_K"} \
   tests/test_ep_gpu.py > "$OUT/tests_gpu.log" 2>&1
 tests_rc=$?
 echo "tests: rc=$tests_rc ($((SECONDS - t0)) s)"
 
+# the transformers integration on 2 GPUs (HF=0 skips it)
+hf_rc=skipped
+if [ "${HF:-1}" = 1 ]; then
+  timeout -s INT -k 10 "${HF_S:-90}" python -m pytest -q -p no:cacheprovider -m multigpu tests/test_patches_hf.py \
+    > "$OUT/tests_hf.log" 2>&1
+  hf_rc=$?
+  echo "hf multigpu tests: rc=$hf_rc ($((SECONDS - t0)) s)"
+fi
+
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  --formats "${FORMATS:-bf16,fp8,mxfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
+  ${TOKENS:+--tokens "$TOKENS"} --formats "${FORMATS:-bf16,fp8,mxfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"
@@ -35,8 +51,13 @@ echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"
 echo "================ summary ================"
 cat "$OUT/device.txt"
 echo "build: $build_rc; $native"
+echo "--- kernel tests (rc=$ktests_rc) ---"
+grep -E "passed|failed|error|skipped" "$OUT/tests_kernels.log" | tail -3
+grep -E "^(FAILED|ERROR)" "$OUT/tests_kernels.log" | head -10
 echo "--- tests (rc=$tests_rc) ---"
 grep -E "passed|failed|error|skipped" "$OUT/tests_gpu.log" | tail -5
 grep -E "^(FAILED|ERROR)" "$OUT/tests_gpu.log" | head -20
+echo "--- hf multigpu tests (rc=$hf_rc) ---"
+[ -f "$OUT/tests_hf.log" ] && { grep -E "passed|failed|error|skipped" "$OUT/tests_hf.log" | tail -3; grep -E "^(FAILED|ERROR)" "$OUT/tests_hf.log" | head -10; }
 echo "--- bench (rc=$bench_rc) ---"
 if [ -s "$OUT/dispatch.md" ]; then cat "$OUT/dispatch.md"; else tail -30 "$OUT/bench.log"; fi

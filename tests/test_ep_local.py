@@ -512,6 +512,26 @@ def test_quantize_mxfp4_rows_multi_matches_spec(dtype):
         assert bool((dest[untouched] == 0x5A).all())
 
 
+def test_quantize_fp8_blockwise_rows_multi_matches_spec():
+    from moe_fp4 import ops
+
+    x = (torch.randn(30, 256) * torch.exp2(torch.randint(-20, 20, (30, 1)).float())).to(torch.bfloat16)
+    x[2, 7] = float("inf")
+    data, scales = formats.quantize_fp8_blockwise(x, block=(1, formats.FP8_GROUP))
+    want = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+    caps = [30, 33]
+    rows = _destination_rows(30, caps)
+    dests = [torch.full((c, want.shape[1]), 0x5A, dtype=torch.uint8) for c in caps]
+    ops.quantize_fp8_blockwise_rows_multi(x, dests, rows)
+    for d, dest in enumerate(dests):
+        keep = (rows[:, d] >= 0) & (rows[:, d] < caps[d])
+        assert_bitwise_equal(dest[rows[keep, d]], want[keep], f"destination {d}")
+    with pytest.raises(ValueError, match="dests"):
+        ops.quantize_fp8_blockwise_rows_multi(x, [d[:, :-4] for d in dests], rows)
+    with pytest.raises(ValueError, match="x"):
+        ops.quantize_fp8_blockwise_rows_multi(x[:, :96], dests, rows)
+
+
 def test_scatter_rows_and_errors():
     from moe_fp4 import ops
 

@@ -179,6 +179,32 @@ def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
         ops.quantize_mxfp4_rows_multi(x, [dests[0][:, :-1], dests[1]], rows)
 
 
+@pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 128, False), (300, 2048, False)])
+def test_quantize_fp8_blockwise_rows_multi(t, h, dense):
+    """FP8 1x128 byte rows [E4M3 | FP32 scales] to several destinations equal the spec's, in every
+    destination that takes the token (shared-memory staging above 48 KB at 8 warps for H = 7168)."""
+    x = _float_input(t, h, torch.bfloat16)
+    data, scales = formats.quantize_fp8_blockwise(x, block=(1, formats.FP8_GROUP))
+    want = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+    for num in (1, 2, 8):
+        caps = [t + 2 * d for d in range(num)]
+        rows = _destination_rows(t, caps, dense)
+        dests = [torch.full((c, want.shape[1]), 0x5A, dtype=torch.uint8, device="cuda") for c in caps]
+        if num == 8:  # a destination starting 4 bytes off a 16-byte boundary: 4-byte stores
+            raw = torch.full((caps[-1] * want.shape[1] + 4,), 0x5A, dtype=torch.uint8, device="cuda")
+            dests[-1] = raw[4:].view(caps[-1], want.shape[1])
+        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows)
+        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations")
+    # float32 input: quantize, then the push
+    xf = _float_input(64, h, torch.float32)
+    data, scales = formats.quantize_fp8_blockwise(xf, block=(1, formats.FP8_GROUP))
+    want = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+    rows = _destination_rows(64, [64, 66], False)
+    dests = [torch.full((c, want.shape[1]), 3, dtype=torch.uint8, device="cuda") for c in (64, 66)]
+    ops.quantize_fp8_blockwise_rows_multi(xf, dests, rows)
+    _check_destinations(dests, rows, want, 3, "fp8 rows from float32")
+
+
 @pytest.mark.parametrize("t,width", [(4096, 14336), (333, 3808), (50, 4036), (9, 17)])
 def test_quantize_scatter_rows(t, width):
     """Byte rows pushed to several destinations (16-, 4- and 1-byte paths, a strided source)."""

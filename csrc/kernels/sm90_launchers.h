@@ -109,6 +109,8 @@ struct QuantizeFp8Params {
   float* out_scales;         // float32 [T, H/128]
   long long tokens;
   int hidden;                // H, a multiple of 128
+  RowDestinations dests;     // num > 0 (bfloat16 x only): byte rows [H E4M3 | H/128 FP32 scales] to
+                             // these destinations instead (out, out_scales unused)
 };
 cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
 

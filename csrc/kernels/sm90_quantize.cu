@@ -207,47 +207,76 @@ __device__ __forceinline__ void store_bf16_item(uint8_t* prow, uint8_t* srow, in
   if ((lane & 1) == 0) srow[item >> 1] = static_cast<uint8_t>(sbyte);
 }
 
+// Token t's row in destination d, or -1 (negative in the table, or past the destination's end).
+__device__ __forceinline__ long long destination_row(const RowDestinations& ds, long long t, int d) {
+  const long long r = ds.rows[t * ds.num + d];
+  long long cap = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxRowDestinations; ++i) cap = i == d ? ds.capacity[i] : cap;  // constant indices only
+  return r < cap ? r : -1;
+}
+
+__device__ __forceinline__ uint8_t* destination_base(const RowDestinations& ds, int d) {
+  uint8_t* b = nullptr;
+#pragma unroll
+  for (int i = 0; i < kMaxRowDestinations; ++i) b = i == d ? ds.base[i] : b;  // constant indices only
+  return b;
+}
+
+// Bit d set when token t goes to destination d.
+__device__ __forceinline__ unsigned destination_mask(const RowDestinations& ds, long long t) {
+  unsigned m = 0;
+  for (int d = 0; d < ds.num; ++d) m |= (destination_row(ds, t, d) >= 0 ? 1u : 0u) << d;
+  return m;
+}
+
+// One warp copies a row staged in shared memory (16-byte aligned) to dst, in the widest accesses dst
+// allows: 16-byte stores reach a peer over NVLink as whole packets (a row written piecewise from
+// registers, 8 code bytes and 1 scale byte per lane, measured 1.5x slower there).
+__device__ __forceinline__ void store_staged_row(const uint8_t* row, uint8_t* dst, long long bytes, int lane) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes);
+  if ((a & 15) == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(row);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (long long i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+  } else if ((a & 3) == 0) {
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(row);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (long long i = lane; i < bytes / 4; i += 32) d[i] = s[i];
+  } else {
+    for (long long i = lane; i < bytes; i += 32) dst[i] = row[i];
+  }
+}
+
+// Dynamic shared memory of the multi-destination kernel: one staged row per warp.
+__host__ __device__ inline size_t staged_row_pitch(long long row_bytes) { return static_cast<size_t>((row_bytes + 15) / 16 * 16); }
+
 // kRoundUp: "up" scale rounding (every scaled value at most 6: no saturation step), else "down".
-// kMulti: each token's byte row goes to every destination of p.dests that takes it (the token is read
-// and encoded once; the stores to peers' buffers travel over NVLink while the next tokens load).
+// kMulti: each token is read and encoded once into a row staged in shared memory (one per warp),
+// which the warp then stores to every destination of p.dests that takes it (peers' buffers over
+// NVLink); other warps' loads and encodes overlap those stores.
 template <bool kRoundUp, bool kMulti>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(const QuantizeMxfp4Params p) {
+  extern __shared__ __align__(16) uint8_t staged_rows[];
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   const int items = p.hidden / 16;  // 2 items per MX block
   const uintptr_t obase = reinterpret_cast<uintptr_t>(p.packed);
-  const bool aligned8 = ((p.packed_stride & 7) == 0) && ((obase & 7) == 0);
-  const bool aligned4 = ((p.packed_stride & 3) == 0) && ((obase & 3) == 0);
-  // kMulti: bit d set when destination d's rows allow 8-byte (dest_aligned8) / 4-byte stores
-  unsigned dest_aligned8 = 0, dest_aligned4 = 0;
-  if constexpr (kMulti) {
-#pragma unroll
-    for (int d = 0; d < kMaxRowDestinations; ++d) {
-      const uintptr_t b = reinterpret_cast<uintptr_t>(p.dests.base[d]);
-      if (((b | static_cast<uintptr_t>(p.dests.row_bytes)) & 7) == 0) dest_aligned8 |= 1u << d;
-      if (((b | static_cast<uintptr_t>(p.dests.row_bytes)) & 3) == 0) dest_aligned4 |= 1u << d;
-    }
-  }
+  const bool aligned8 = kMulti || (((p.packed_stride & 7) == 0) && ((obase & 7) == 0));
+  const bool aligned4 = kMulti || (((p.packed_stride & 3) == 0) && ((obase & 3) == 0));
+  uint8_t* staged = kMulti ? staged_rows + (threadIdx.x >> 5) * staged_row_pitch(p.dests.row_bytes) : nullptr;
   for (long long t = warp; t < p.tokens; t += num_warps) {
-    long long drow[kMulti ? kMaxRowDestinations : 1];
     long long orow = 0;
     if constexpr (kMulti) {
-      bool any = false;
-#pragma unroll
-      for (int d = 0; d < kMaxRowDestinations; ++d) {
-        drow[d] = d < p.dests.num ? p.dests.rows[t * p.dests.num + d] : -1;
-        if (drow[d] >= p.dests.capacity[d]) drow[d] = -1;
-        any = any || drow[d] >= 0;
-      }
-      if (!any) continue;  // the same for the whole warp
+      if (!destination_mask(p.dests, t)) continue;  // the same for the whole warp
     } else {
       orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
       if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
     }
     const uint4* xrow = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.x) + t * p.x_stride);
-    uint8_t* prow = kMulti ? nullptr : p.packed + orow * p.packed_stride;
-    uint8_t* srow = kMulti ? nullptr : p.scales + orow * p.scales_stride;
+    uint8_t* prow = kMulti ? staged : p.packed + orow * p.packed_stride;
+    uint8_t* srow = kMulti ? staged + p.hidden / 2 : p.scales + orow * p.scales_stride;
     for (int base = 0; base < items; base += 32 * kBf16Unroll) {
       uint4 raw[kBf16Unroll][2];
 #pragma unroll
@@ -291,36 +320,39 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
           codes.x = pack_pair_codes(pc[0], pc[1], pc[2], pc[3]);
           codes.y = pack_pair_codes(pc[4], pc[5], pc[6], pc[7]);
         }
-        if (item < items) {
-          if constexpr (kMulti) {
-#pragma unroll
-            for (int d = 0; d < kMaxRowDestinations; ++d) {
-              if (drow[d] < 0) continue;
-              uint8_t* row = p.dests.base[d] + drow[d] * p.dests.row_bytes;
-              store_bf16_item(row, row + p.hidden / 2, item, lane, codes, sbyte, (dest_aligned8 >> d) & 1u,
-                              (dest_aligned4 >> d) & 1u);
-            }
-          } else {
-            store_bf16_item(prow, srow, item, lane, codes, sbyte, aligned8, aligned4);
-          }
-        }
+        if (item < items) store_bf16_item(prow, srow, item, lane, codes, sbyte, aligned8, aligned4);
       }
+    }
+    if constexpr (kMulti) {
+      __syncwarp();  // the staged row is complete
+      for (int d = 0; d < p.dests.num; ++d) {  // (the rows again: an L1 hit, fewer live registers)
+        const long long r = destination_row(p.dests, t, d);
+        if (r >= 0) store_staged_row(staged, destination_base(p.dests, d) + r * p.dests.row_bytes, p.dests.row_bytes, lane);
+      }
+      __syncwarp();  // every lane has read the staged row before the next token overwrites it
     }
   }
 }
 
-template <FloatInput kType>
+// kMulti: byte rows [H E4M3 | H/128 FP32 scales] staged in shared memory (one per warp), then stored
+// to every destination of p.dests that takes the token (as the MXFP4 multi-destination kernel).
+template <FloatInput kType, bool kMulti>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(const QuantizeFp8Params p) {
+  extern __shared__ __align__(16) uint8_t staged_rows[];
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   const int items = p.hidden / 8;  // 16 items per 128-element group
   const int groups = p.hidden / kFp8Group;
   const size_t elem = kType == FloatInput::kFloat32 ? 4 : 2;
+  uint8_t* staged = kMulti ? staged_rows + (threadIdx.x >> 5) * staged_row_pitch(p.dests.row_bytes) : nullptr;
   for (long long t = warp; t < p.tokens; t += num_warps) {
+    if constexpr (kMulti) {
+      if (!destination_mask(p.dests, t)) continue;  // the same for the whole warp
+    }
     const void* xrow = static_cast<const char*>(p.x) + static_cast<size_t>(t) * p.x_stride * elem;
-    uint8_t* orow = p.out + t * p.hidden;
-    float* srow = p.out_scales + t * groups;
+    uint8_t* orow = kMulti ? staged : p.out + t * p.hidden;
+    float* srow = kMulti ? reinterpret_cast<float*>(staged + p.hidden) : p.out_scales + t * groups;
     for (int base = 0; base < items; base += 32 * kUnroll) {
       uint4 raw[kUnroll][2];
 #pragma unroll
@@ -353,6 +385,14 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
         }
       }
     }
+    if constexpr (kMulti) {
+      __syncwarp();  // the staged row is complete
+      for (int d = 0; d < p.dests.num; ++d) {
+        const long long r = destination_row(p.dests, t, d);
+        if (r >= 0) store_staged_row(staged, destination_base(p.dests, d) + r * p.dests.row_bytes, p.dests.row_bytes, lane);
+      }
+      __syncwarp();  // every lane has read the staged row before the next token overwrites it
+    }
   }
 }
 
@@ -365,15 +405,8 @@ __global__ void __launch_bounds__(kThreads) sm90_scatter_rows_kernel(const Scatt
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   const long long vecs = p.dests.row_bytes / static_cast<long long>(sizeof(V));
   for (long long t = warp; t < p.tokens; t += num_warps) {
-    long long drow[kMaxRowDestinations];
-    bool any = false;
-#pragma unroll
-    for (int d = 0; d < kMaxRowDestinations; ++d) {
-      drow[d] = d < p.dests.num ? p.dests.rows[t * p.dests.num + d] : -1;
-      if (drow[d] >= p.dests.capacity[d]) drow[d] = -1;
-      any = any || drow[d] >= 0;
-    }
-    if (!any) continue;  // the same for the whole warp
+    const unsigned take = destination_mask(p.dests, t);
+    if (!take) continue;  // the same for the whole warp
     const V* src = reinterpret_cast<const V*>(p.src + t * p.src_stride);
     for (long long base = 0; base < vecs; base += 32 * kUnroll) {
       V v[kUnroll];
@@ -382,10 +415,9 @@ __global__ void __launch_bounds__(kThreads) sm90_scatter_rows_kernel(const Scatt
         const long long i = base + u * 32 + lane;
         if (i < vecs) v[u] = src[i];
       }
-#pragma unroll
-      for (int d = 0; d < kMaxRowDestinations; ++d) {
-        if (drow[d] < 0) continue;
-        V* dst = reinterpret_cast<V*>(p.dests.base[d] + drow[d] * p.dests.row_bytes);
+      for (int d = 0; d < p.dests.num; ++d) {
+        if (!((take >> d) & 1u)) continue;
+        V* dst = reinterpret_cast<V*>(destination_base(p.dests, d) + destination_row(p.dests, t, d) * p.dests.row_bytes);
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const long long i = base + u * 32 + lane;
@@ -399,14 +431,26 @@ __global__ void __launch_bounds__(kThreads) sm90_scatter_rows_kernel(const Scatt
 // Blocks for a persistent grid: enough to fill every SM at the kernel's occupancy, no more than the
 // rows need (one warp per row).
 template <typename Kernel>
-int grid_for_rows(Kernel kernel, long long rows) {
+int grid_for_rows(Kernel kernel, long long rows, size_t smem = 0) {
   int device = 0, sms = 0, per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
   const long long need = (rows + kThreads / 32 - 1) / (kThreads / 32);
   const long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   return static_cast<int>(need < cap ? (need > 0 ? need : 1) : cap);
+}
+
+// Launch of a multi-destination kernel: one staged row per warp in dynamic shared memory.
+template <typename Kernel, typename Params>
+cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long long row_bytes, cudaStream_t stream) {
+  const size_t smem = (kThreads / 32) * staged_row_pitch(row_bytes);
+  if (smem > 48 * 1024) {  // above the default dynamic limit: raise it (fails past the device's)
+    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid_for_rows(kernel, rows, smem), kThreads, smem, stream>>>(p);
+  return cudaSuccess;
 }
 
 }  // namespace
@@ -424,11 +468,14 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
       break;
     }
     case FloatInput::kBFloat16: {
-      auto k = p.dests.num > 0
-                   ? (p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, true> : sm90_quantize_mxfp4_bf16_kernel<false, true>)
-                   : (p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, false>
-                                 : sm90_quantize_mxfp4_bf16_kernel<false, false>);
-      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      if (p.dests.num > 0) {
+        auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, true> : sm90_quantize_mxfp4_bf16_kernel<false, true>;
+        const cudaError_t err = launch_staged(k, p, p.tokens, p.dests.row_bytes, stream);
+        if (err != cudaSuccess) return err;
+      } else {
+        auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, false> : sm90_quantize_mxfp4_bf16_kernel<false, false>;
+        k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      }
       break;
     }
     case FloatInput::kFloat16: {
@@ -442,19 +489,29 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
 
 cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream) {
   if (p.tokens <= 0 || p.hidden <= 0) return cudaSuccess;
+  if (p.dests.num < 0 || p.dests.num > kMaxRowDestinations ||
+      (p.dests.num > 0 && (p.x_type != FloatInput::kBFloat16 || p.dests.rows == nullptr))) {
+    return cudaErrorInvalidValue;  // several destinations: bfloat16 inputs only
+  }
+  if (p.dests.num > 0) {
+    auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kBFloat16, true>;
+    const cudaError_t err = launch_staged(k, p, p.tokens, p.dests.row_bytes, stream);
+    if (err != cudaSuccess) return err;
+    return cudaGetLastError();
+  }
   switch (p.x_type) {
     case FloatInput::kFloat32: {
-      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat32>;
+      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat32, false>;
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
     case FloatInput::kBFloat16: {
-      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kBFloat16>;
+      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kBFloat16, false>;
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
     case FloatInput::kFloat16: {
-      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat16>;
+      auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat16, false>;
       k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
       break;
     }

@@ -194,6 +194,24 @@ void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows_multi");
 }
 
+// x [T, H] bfloat16, H % 128 == 0 -> each token's FP8 1x128 byte row [H E4M3 | H/128 FP32 scales]
+// written to every destination that takes it.
+void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows) {
+  check_float_rows(x, 128);
+  MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
+  const int64_t t = x.size(0), h = x.size(1);
+  const c10::cuda::CUDAGuard guard(x.device());
+  moe_fp4::QuantizeFp8Params p{};
+  p.dests = row_destinations(dests, dest_rows, x, t, h + 4 * (h / 128));
+  p.x = x.data_ptr();
+  p.x_type = moe_fp4::FloatInput::kBFloat16;
+  p.x_stride = x.stride(0);
+  p.tokens = t;
+  p.hidden = static_cast<int>(h);
+  check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()),
+               "quantize_fp8_blockwise_rows_multi");
+}
+
 // src uint8 [T, B] -> each row copied to every destination that takes it.
 void scatter_rows(const Tensor& src, const std::vector<Tensor>& dests, const Tensor& dest_rows) {
   MOE_FP4_CHECK_CUDA(src, "src");
@@ -373,6 +391,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_mxfp4_rows_multi", &quantize_mxfp4_rows_multi,
         "x [T,H] bfloat16 -> MXFP4 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
         py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"));
+  m.def("quantize_fp8_blockwise_rows_multi", &quantize_fp8_blockwise_rows_multi,
+        "x [T,H] bfloat16 -> FP8 1x128 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
+        py::arg("dests"), py::arg("dest_rows"));
   m.def("scatter_rows", &scatter_rows, "byte rows src [T,B] copied to dests[d] at dest_rows[t, d]", py::arg("src"),
         py::arg("dests"), py::arg("dest_rows"));
   m.def("mxfp4_to_fp8_rows", &mxfp4_to_fp8_rows, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),

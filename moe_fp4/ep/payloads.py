@@ -212,6 +212,12 @@ class FP8Payload(PayloadCodec):
         data, scales = _quantize_fp8(x)
         return torch.cat((data.view(torch.uint8), _bytes_of(scales)), dim=1)
 
+    def encode_push(self, x, dests, dest_rows):
+        """One fused kernel on CUDA for bfloat16 x (``ops.quantize_fp8_blockwise_rows_multi``)."""
+        self._check_x(x)
+        if x.shape[0]:
+            ops.quantize_fp8_blockwise_rows_multi(x, dests, dest_rows)
+
     def split(self, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         """rows uint8 [N, H + H/32] -> (float8_e4m3fn [N, H], float32 [N, H/128]), contiguous copies."""
         _check_rows(rows, self.row_bytes(hidden), hidden)

@@ -8,6 +8,7 @@ custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile t
   quantize_mxfp4_rows          the same as byte rows [R, H/2 + H/32], optionally at given rows (dispatch)
   quantize_mxfp4_rows_multi    the byte rows of each token written to several destinations at once
                                (the expert-parallel push into every rank's receive buffer)
+  quantize_fp8_blockwise_rows_multi  FP8 1x128 byte rows [H E4M3 | H/128 FP32] to several destinations
   scatter_rows                 byte rows copied to several destinations (the push of rows needing no encode)
   mxfp4_to_fp8_blockwise       FP4RowToFP8Row: MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
@@ -50,6 +51,7 @@ __all__ = [
     "mxfp4_to_fp8_blockwise",
     "native_available",
     "quantize_fp8_blockwise",
+    "quantize_fp8_blockwise_rows_multi",
     "quantize_mxfp4",
     "quantize_mxfp4_rows",
     "quantize_mxfp4_rows_multi",
@@ -234,6 +236,20 @@ def quantize_mxfp4_rows_multi(
     _rounding(scale_rounding)
     _destinations(dests, dest_rows, x, x.shape[0], formats.mxfp4_row_bytes(x.shape[1]))
     _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows)
+
+
+def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+    """quantize_fp8_blockwise to several destinations at once, as byte rows: each token's H E4M3
+    bytes followed by its H/128 FP32 scales (the fp8 dispatch payload), stored into every
+    destination that takes it (see quantize_mxfp4_rows_multi).
+
+    x: bfloat16/float32/float16 [T, H], H a multiple of 128 (bfloat16 on CUDA: one fused kernel);
+    dests: 1 to 8 uint8 tensors [R_d, H + H/32]; dest_rows: int64 [T, D] (negative: skipped).
+    """
+    _float_rows(x, formats.FP8_GROUP)
+    h = x.shape[1]
+    _destinations(dests, dest_rows, x, x.shape[0], h + 4 * (h // formats.FP8_GROUP))
+    _ops.quantize_fp8_blockwise_rows_multi_op(x, list(dests), dest_rows)
 
 
 def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:

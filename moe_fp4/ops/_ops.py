@@ -157,6 +157,24 @@ def _(x, scale_rounding, dests, dest_rows):
     return None
 
 
+@torch.library.custom_op(f"{LIB}::quantize_fp8_blockwise_rows_multi", mutates_args=("dests",))
+def quantize_fp8_blockwise_rows_multi_op(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+    if _native_for(x) and x.dtype == torch.bfloat16:
+        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows)
+        return
+    data, scales = quantize_fp8_blockwise_op(x)  # other input dtypes (and the spec): rows, then the push
+    rows = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+    if _native_for(x):
+        _native.module().scatter_rows(rows, dests, dest_rows)
+    else:
+        _spec_scatter_rows(rows, dests, dest_rows)
+
+
+@quantize_fp8_blockwise_rows_multi_op.register_fake
+def _(x, dests, dest_rows):
+    return None
+
+
 @torch.library.custom_op(f"{LIB}::mxfp4_to_fp8_blockwise", mutates_args=())
 def mxfp4_to_fp8_blockwise_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
