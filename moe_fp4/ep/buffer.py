@@ -30,7 +30,7 @@ import torch
 
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
-from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_order, start_offsets
+from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_keys, start_offsets
 from moe_fp4.ep.payloads import (
     PAYLOAD_IDS,
     BF16Payload,
@@ -416,51 +416,55 @@ class Buffer:
 
     def _build_handle(self, x, topk_idx, topk_weights, layout, send_counts, recv_counts, tokens_per_expert,
                       slot_counts, split_lens) -> DispatchHandle:
-        dev, ell = self.device, self.experts_per_rank
+        # Every step below is one or a few whole-tensor ops: a full dispatch pays a launch per op.
+        dev, ell, w = self.device, self.experts_per_rank, self.world_size
         t, k = topk_idx.shape
         n_send, n_recv, n_rows = sum(send_counts), sum(recv_counts), sum(tokens_per_expert)
-        send_token, send_rank = send_order(layout, n_send)
-        # metadata rows: the local expert ids (int32) and weights (float32) of each sent token
+        keys = send_keys(layout, n_send)  # rank * T + token of each sent row, in send order
+        send_token, send_rank = (keys % t, keys // t) if t else (keys, keys)
+        # metadata rows, int32 [n_send, 2k + 1]: local expert ids (-1: not on that rank), the weights'
+        # bits, the token's index in this batch
         ids = topk_idx.to(torch.int64).index_select(0, send_token)
         owner = layout.dest_rank.index_select(0, send_token) == send_rank.unsqueeze(1)
-        local_ids = torch.where(owner, ids - send_rank.unsqueeze(1) * ell, torch.full_like(ids, -1))
+        meta = torch.empty(n_send, 2 * k + 1, dtype=torch.int32, device=dev)
+        meta[:, :k] = torch.where(owner, ids.remainder(ell), -1)
         if topk_weights is not None:
-            weights = topk_weights.to(torch.float32).index_select(0, send_token)
+            meta[:, k:2 * k] = topk_weights.to(torch.float32).index_select(0, send_token).view(torch.int32)
         else:
-            weights = torch.zeros(n_send, k, dtype=torch.float32, device=dev)
-        meta = torch.cat((local_ids.to(torch.int32).view(torch.uint8), weights.contiguous().view(torch.uint8),
-                          send_token.to(torch.int32).unsqueeze(1).view(torch.uint8)), 1)
-        recv_meta = torch.empty(n_recv, meta.shape[1], dtype=torch.uint8, device=dev)
+            meta[:, k:2 * k] = 0
+        meta[:, 2 * k] = send_token
+        recv_meta = torch.empty(n_recv, 2 * k + 1, dtype=torch.int32, device=dev)
         self.backend.all_to_all(recv_meta, meta, recv_counts, send_counts)
-        recv_ids = recv_meta[:, :4 * k].contiguous().view(torch.int32).to(torch.int64)
-        recv_w = recv_meta[:, 4 * k:8 * k].contiguous().view(torch.float32) if topk_weights is not None else None
-        recv_src_token = recv_meta[:, 8 * k:].contiguous().view(torch.int32).reshape(-1).to(torch.int64)
+        recv_ids = recv_meta[:, :k].to(torch.int64)
+        recv_w = recv_meta[:, k:2 * k].contiguous().view(torch.float32) if topk_weights is not None else None
+        recv_src_token = recv_meta[:, 2 * k].to(torch.int64)
 
-        # expansion: one output row per (received token, local slot), grouped by local expert
+        # expansion: one output row per (received token, local slot), grouped by local expert (stable)
         valid = recv_ids >= 0
-        flat_key = torch.where(valid, recv_ids, torch.full_like(recv_ids, ell)).reshape(-1)
-        order = torch.sort(flat_key, stable=True).indices[:n_rows]
+        order = torch.sort(torch.where(valid, recv_ids, ell).reshape(-1), stable=True).indices[:n_rows]
         expand_row, expand_slot = order // k, order % k
-        pos = torch.zeros(n_recv * k, dtype=torch.int64, device=dev)
-        pos.scatter_(0, order, torch.arange(n_rows, device=dev))
+        # slot_table [n_recv, k]: the output row of (received token, slot), -1 if none
+        slot_table = torch.full((n_recv * k,), -1, dtype=torch.int64, device=dev)
+        slot_table.scatter_(0, order, torch.arange(n_rows, device=dev))
+        slot_table = slot_table.view(n_recv, k)
         # the same rows ordered by (slot, received token): combine adds slot by slot
-        slot_key = torch.arange(k, device=dev).unsqueeze(0) * n_recv + torch.arange(n_recv, device=dev).unsqueeze(1)
-        slot_key = torch.where(valid, slot_key, torch.full_like(slot_key, k * n_recv)).reshape(-1)
-        slot_order = torch.sort(slot_key).indices[:n_rows]
-        slot_table = torch.where(valid.reshape(-1), pos, torch.full_like(pos, -1)).reshape(n_recv, k)
-        rank_table = torch.full((t * self.world_size + 1,), -1, dtype=torch.int64, device=dev)
-        rank_table.scatter_(0, send_token * self.world_size + send_rank, torch.arange(n_send, device=dev))
+        slot_key = torch.where(valid.t(), torch.arange(k * n_recv, device=dev).view(k, n_recv), k * n_recv)
+        slot_key = torch.sort(slot_key.reshape(-1)).values[:n_rows]  # slot * n_recv + token, distinct
+        slot_row, slot_col = slot_key % max(n_recv, 1), slot_key // max(n_recv, 1)
+        # rank_table [T, W]: the sent row of (token, rank), -1 if not sent there
+        rank_table = torch.full((w * t,), -1, dtype=torch.int64, device=dev)
+        rank_table.scatter_(0, keys, torch.arange(n_send, device=dev))
         return DispatchHandle(
-            rank=self.rank, world_size=self.world_size, num_experts=self.num_experts, hidden=x.shape[1],
+            rank=self.rank, world_size=w, num_experts=self.num_experts, hidden=x.shape[1],
             num_topk=k, num_tokens=t, send_counts=send_counts, recv_counts=recv_counts, send_token=send_token,
             recv_topk_idx=recv_ids, recv_topk_weights=recv_w, expand_row=expand_row, expand_slot=expand_slot,
             row_weights=recv_w.reshape(-1)[order] if recv_w is not None else None,
             tokens_per_expert=tokens_per_expert, split_lens=split_lens,
             split_offsets=torch.cumsum(split_lens, 0) - split_lens,
             slot_counts=slot_counts,
-            slot_row=slot_order // k, slot_out=pos[slot_order],
-            slot_weights=recv_w.reshape(-1)[slot_order] if recv_w is not None else None,
-            slot_table=slot_table, rank_table=rank_table[:t * self.world_size].reshape(t, self.world_size),
+            slot_row=slot_row, slot_out=slot_table[slot_row, slot_col],
+            slot_weights=recv_w[slot_row, slot_col] if recv_w is not None else None,
+            slot_table=slot_table, rank_table=rank_table.view(w, t).t().contiguous(),
             recv_src_token=recv_src_token,
         )
 

@@ -69,18 +69,20 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -
     idx = topk_idx.to(torch.int64)
     t, k = idx.shape
     dev = idx.device
-    bad = (idx < -1) | (idx >= num_experts)
-    used = (idx >= 0) & ~bad
-    expert = torch.where(used, idx, torch.full_like(idx, num_experts))
-    dest_rank = torch.where(used, idx // experts_per_rank, torch.full_like(idx, world_size))
+    # (few launches: the full dispatch runs this on every call)
+    clamped = idx.clamp(-1, num_experts - 1)
+    bad = clamped != idx  # ids below -1 or from num_experts on
+    expert = clamped.masked_fill(bad, -1).remainder_(num_experts + 1)  # empty and bad slots -> num_experts
+    dest_rank = expert // experts_per_rank  # num_experts // experts_per_rank = world_size for those
     in_rank = torch.zeros(t, world_size + 1, dtype=torch.bool, device=dev)
     in_rank.scatter_(1, dest_rank, True)
     is_token_in_rank = in_rank[:, :world_size]
     num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)
+    ones = torch.ones(t, k, dtype=torch.int64, device=dev)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    per_expert.scatter_add_(0, expert.reshape(-1), torch.ones(t * k, dtype=torch.int64, device=dev))
+    per_expert.scatter_add_(0, expert.reshape(-1), ones.reshape(-1))
     slots = torch.zeros(world_size + 1, k, dtype=torch.int64, device=dev)
-    slots.scatter_add_(0, dest_rank, torch.ones_like(dest_rank))
+    slots.scatter_add_(0, dest_rank, ones)
     return DispatchLayout(
         num_experts=num_experts,
         world_size=world_size,
@@ -98,22 +100,24 @@ def send_order(layout: DispatchLayout, num_send: int) -> tuple[torch.Tensor, tor
     ascending order within a rank. num_send = layout.num_tokens_per_rank.sum() (known on the host).
 
     Returns (token int64 [num_send], rank int64 [num_send]); no host synchronisation."""
+    keys = send_keys(layout, num_send)
+    t = layout.is_token_in_rank.shape[0]
+    if t == 0:
+        return keys, keys.clone()
+    return keys % t, keys // t
+
+
+def send_keys(layout: DispatchLayout, num_send: int) -> torch.Tensor:
+    """int64 [num_send]: rank * T + token of each row of the send buffer, ascending (the send order);
+    one sort, no host synchronisation."""
     in_rank = layout.is_token_in_rank
     t, w = in_rank.shape
-    dev = in_rank.device
-    counts = layout.num_tokens_per_rank
-    rank_start = torch.cumsum(counts, 0) - counts
-    pos = torch.cumsum(in_rank.to(torch.int64), 0) - 1 + rank_start  # [T, W] row of (t, r) if sent
-    dump = torch.full_like(pos, num_send)
-    target = torch.where(in_rank, pos, dump).t().reshape(-1)  # rank-major
-    token = torch.arange(t, device=dev).repeat(w)
-    rank = torch.arange(w, device=dev).unsqueeze(1).expand(w, t).reshape(-1)
-    send_token = torch.empty(num_send + 1, dtype=torch.int64, device=dev).scatter_(0, target, token)
-    send_rank = torch.empty(num_send + 1, dtype=torch.int64, device=dev).scatter_(0, target, rank)
-    return send_token[:num_send], send_rank[:num_send]
+    key = torch.arange(w * t, device=in_rank.device).view(w, t)
+    key = torch.where(in_rank.t(), key, w * t)  # rows not sent sort last
+    return torch.sort(key.reshape(-1)).values[:num_send]
 
 
-__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "check_topk_idx", "check_experts"]
+__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "send_keys", "check_topk_idx", "check_experts"]
 
 
 def start_offsets(counts: list[int]) -> list[int]:

@@ -147,39 +147,72 @@ def _fill(values: list[int], device) -> torch.Tensor:
     return out
 
 
+class _DirectPlan(dict):
+    """The index tensors of the direct path for one handle, each built on first use (a push dispatch
+    needs only ``peer_rank_table``; fewer launches in a full dispatch)."""
+
+    def __init__(self, handle, chunks: int):
+        super().__init__()
+        self.handle, self.chunks = handle, chunks
+
+    def __missing__(self, key):
+        build = getattr(self, "_" + key, None)
+        if build is None:
+            raise KeyError(key)
+        self[key] = value = build()
+        return value
+
+    def _fill_ranks(self, counts: list[int]) -> torch.Tensor:
+        """int64 [sum(counts)]: rank r repeated counts[r] times (fills: no host-to-device copy)."""
+        out = torch.empty(sum(counts), dtype=torch.int64, device=self.handle.send_token.device)
+        for r, (start, n) in enumerate(zip(start_offsets(counts), counts)):
+            if n:
+                out[start:start + n].fill_(r)
+        return out
+
+    def _recv_rank(self):
+        return self._fill_ranks(self.handle.recv_counts)
+
+    def _recv_chunk(self):
+        # chunk of a received row: its token's slice at the source, tokens [ceil(cT/C), ceil((c+1)T/C))
+        h = self.handle
+        sizes = [max(n, 1) for n in h.peer_num_tokens]
+        src_tokens = torch.empty(h.num_recv_tokens, dtype=torch.int64, device=h.send_token.device)
+        for start, n, size in zip(start_offsets(h.recv_counts), h.recv_counts, sizes):
+            if n:
+                src_tokens[start:start + n].fill_(size)
+        return h.recv_src_token * self.chunks // src_tokens
+
+    def _delta(self):
+        # my row j of the block for rank r is row (rows rank r receives from ranks < me) + j of r's view
+        h = self.handle
+        send_off = start_offsets(h.send_counts)
+        return _fill([sum(h.count_matrix[s][r] for s in range(h.rank)) - send_off[r] for r in range(h.world_size)],
+                     h.send_token.device)
+
+    def _peer_rank_table(self):
+        table = self.handle.rank_table
+        return torch.where(table >= 0, table + self["delta"].unsqueeze(0), table)
+
+    def _send_rank(self):
+        return self._fill_ranks(self.handle.send_counts)
+
+    def _send_peer_row(self):
+        n_send = sum(self.handle.send_counts)
+        return torch.arange(n_send, device=self.handle.send_token.device) + self["delta"][self["send_rank"]]
+
+
 def direct_plan(handle, chunks: int) -> dict:
-    """Index tensors of the direct path for ``handle`` (cached on it): where each received row lives
-    in its source's staging buffer, and where each of this rank's combine partials lives in the
-    token rank's view (all int64, on the handle's device; built without host synchronisation)."""
+    """Index tensors of the direct path for ``handle`` (cached on it; each built on first use, without
+    host synchronisation), all int64 on the handle's device:
+      recv_rank [n_recv]: the source rank of each received row;
+      recv_chunk [n_recv]: the slice (of ``chunks``) of each received row's token at its source;
+      peer_rank_table [T, W]: the row of (token, rank) in that rank's received rows, -1 if not sent;
+      send_rank / send_peer_row [n_send]: the destination of each sent row and its row there."""
     cache = handle.direct_cache
-    if chunks in cache:
-        return cache[chunks]
-    dev = handle.send_token.device
-    w, me = handle.world_size, handle.rank
-    cm = handle.count_matrix  # cm[s][d]: tokens rank s sends to rank d
-    recv_off = start_offsets(handle.recv_counts)
-    send_off = start_offsets(handle.send_counts)
-    n_recv, n_send = sum(handle.recv_counts), sum(handle.send_counts)
-    recv_rank = torch.empty(n_recv, dtype=torch.int64, device=dev)
-    src_tokens = torch.empty(n_recv, dtype=torch.int64, device=dev)
-    for s in range(w):
-        if handle.recv_counts[s]:
-            recv_rank[recv_off[s]:recv_off[s] + handle.recv_counts[s]].fill_(s)
-            src_tokens[recv_off[s]:recv_off[s] + handle.recv_counts[s]].fill_(max(handle.peer_num_tokens[s], 1))
-    # chunk of a received row: its token's slice at the source, tokens [ceil(cT/C), ceil((c+1)T/C))
-    recv_chunk = handle.recv_src_token * chunks // src_tokens
-    # my row j of the block for rank r is row (rows rank r receives from ranks < me) + j of r's view
-    delta = _fill([sum(cm[s][r] for s in range(me)) - send_off[r] for r in range(w)], dev)
-    table = handle.rank_table
-    peer_rank_table = torch.where(table >= 0, table + delta.unsqueeze(0), table)
-    send_rank = torch.empty(n_send, dtype=torch.int64, device=dev)
-    for r in range(w):
-        if handle.send_counts[r]:
-            send_rank[send_off[r]:send_off[r] + handle.send_counts[r]].fill_(r)
-    plan = dict(recv_rank=recv_rank, recv_chunk=recv_chunk, peer_rank_table=peer_rank_table,
-                send_rank=send_rank, send_peer_row=torch.arange(n_send, device=dev) + delta[send_rank])
-    cache[chunks] = plan
-    return plan
+    if chunks not in cache:
+        cache[chunks] = _DirectPlan(handle, chunks)
+    return cache[chunks]
 
 
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
