@@ -682,3 +682,13 @@ def test_compiled_nearest_quantizers_trace_to_one_graph(fn_args):
     t = torch.randn(128, 256) * 3
     explained = torch._dynamo.explain(fn)(t, None, *args)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+def test_gemm_input_is_float32_except_bf16_on_the_real_fp8_path():
+    # The real FP8 GEMM path (CUDA) takes BF16 operands as they are; every emulated path reads float32.
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    for rec in (MXFP8Recipe(), NVFP4Recipe(), MXFP4Recipe(), FP8BlockwiseRecipe(),
+                FP8BlockwiseRecipe(backend="emulate")):
+        got = rec.gemm_input(x)
+        assert got.dtype == torch.float32 and torch.equal(got, x.float())
+    assert FP8BlockwiseRecipe().gemm_input(x.float()).dtype == torch.float32

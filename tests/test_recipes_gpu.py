@@ -228,6 +228,22 @@ def test_blockwise_fp8_recipe_scaled_mm_matches_emulation():
     assert all(v is True for v in scaled_mm_status().values()), scaled_mm_status()
 
 
+def test_real_fp8_path_quantizes_bf16_operands_like_the_spec():
+    # The real-GEMM path quantizes BF16 1x128 operands with the native kernel when it is built, the
+    # spec otherwise: the same bits either way, also for transposed (wgrad) operands.
+    _need_sm90()
+    from moe_fp4.recipes.recipes import _quantize_fp8_operand
+
+    x = (torch.randn(384, 640, device="cuda") * torch.rand(384, 1, device="cuda") * 100).to(torch.bfloat16)
+    x[3, 7] = float("inf")
+    for t in (x, x.t()):
+        for quantizer in ("auto", "eager"):
+            data, scales = _quantize_fp8_operand(quantizer, t, (1, 128))
+            want_d, want_s = quantize_fp8_blockwise(t, block=(1, 128))
+            assert_same_bits(data, want_d, f"{quantizer} data {tuple(t.shape)}")
+            assert_same_bits(scales, want_s, f"{quantizer} scales {tuple(t.shape)}")
+
+
 def test_quantlinear_trains_on_cuda_under_torch_autocast():
     for recipe in (NVFP4Recipe(gemm_dtype="bfloat16"), FP8BlockwiseRecipe()):
         layer = QuantLinear(256, 128, device="cuda", recipe=recipe)

@@ -46,8 +46,8 @@ class QuantLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, recipe: Recipe, generator, out_dtype):
         k = x.shape[-1]
         with torch.autocast(device_type=x.device.type, enabled=False):
-            x2 = x.reshape(-1, k).to(torch.float32)
-            w = weight.to(torch.float32)
+            x2 = recipe.gemm_input(x.reshape(-1, k))
+            w = recipe.gemm_input(weight)
             if recipe.bf16_forward:
                 y = torch.matmul(x2.to(torch.bfloat16), w.t().to(torch.bfloat16)).to(out_dtype)
             else:
@@ -62,13 +62,13 @@ class QuantLinearFunction(torch.autograd.Function):
         recipe, gen = ctx.recipe, ctx.generator
         dx = dw = None
         with torch.autocast(device_type=x.device.type, enabled=False):
-            g2 = grad_y.reshape(-1, weight.shape[0]).to(torch.float32)
+            g2 = recipe.gemm_input(grad_y.reshape(-1, weight.shape[0]))
             if ctx.needs_input_grad[0]:
-                w_t = weight.to(torch.float32).t()  # [K, N]: W quantized along N (columnwise copy)
+                w_t = recipe.gemm_input(weight).t()  # [K, N]: W quantized along N (columnwise copy)
                 dx = recipe.gemm_nt(g2, w_t, gemm="dgrad", generator=gen, out_dtype=x.dtype)
                 dx = dx.reshape(x.shape)
             if ctx.needs_input_grad[1]:
-                x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+                x2 = recipe.gemm_input(x.reshape(-1, x.shape[-1]))
                 g_t = _pad_last(g2.t(), recipe.block)  # [N, M]: dy quantized along the tokens
                 x_t = _pad_last(x2.t(), recipe.block)  # [K, M]: x quantized along the tokens
                 dw = recipe.gemm_nt(g_t, x_t, gemm="wgrad", generator=gen, out_dtype=weight.dtype)

@@ -134,6 +134,11 @@ class Recipe:
         """
         return self.operand(t, role=role, gemm=gemm, generator=generator, split_tensor_scale=split_tensor_scale)
 
+    def gemm_input(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor that ``gemm_nt`` takes for the high-precision operand ``t`` (float, any shape):
+        float32 (every operand quantizer reads its input exactly in float32)."""
+        return t.to(torch.float32)
+
     def operand(
         self, t: torch.Tensor, *, role: str, gemm: str, generator: torch.Generator | None = None,
         split_tensor_scale: bool = False, dtype: torch.dtype = torch.float32,
@@ -331,6 +336,13 @@ class FP8BlockwiseRecipe(Recipe):
             return False
         return True
 
+    def gemm_input(self, t: torch.Tensor) -> torch.Tensor:
+        """BF16 operands stay BF16 on the real FP8 GEMM path (the quantizers read them exactly, and the
+        native 1x128 quantizer takes BF16), saving a float32 copy of every operand; float32 elsewhere."""
+        if t.dtype == torch.bfloat16 and self.uses_scaled_mm(t.device):
+            return t
+        return t.to(torch.float32)
+
     def gemm_nt(self, a, b, *, gemm, generator=None, out_dtype=torch.float32):
         if self.uses_scaled_mm(a.device):
             out = _try_scaled_mm_nt(a, b, gemm, strict=self.backend == "scaled_mm", quantizer=self.quantizer)
@@ -433,6 +445,19 @@ def fp8_blockwise_scaled_mm(
     return out.to(out_dtype)
 
 
+def _quantize_fp8_operand(quantizer: str, t: torch.Tensor, block: tuple[int, int]):
+    """Blockwise FP8 of one real-GEMM operand: the native 1x128 quantizer (``moe_fp4.ops``, the same
+    bits as the spec) for BF16 CUDA operands when it is built and ``quantizer`` is not "eager",
+    else the spec (compiled or eager as ``quantizer`` says). t: [R, C]. Returns (float8_e4m3fn [R, C],
+    float32 scales [R/bm, C/bn])."""
+    if block == (1, FP8_BLOCK) and quantizer != "eager" and t.is_cuda and t.dtype == torch.bfloat16:
+        from moe_fp4 import ops
+
+        if ops.native_available():
+            return ops.quantize_fp8_blockwise(t.contiguous())
+    return run_quantizer(quantizer, q_fp8_blockwise, t, None, block)
+
+
 def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool,
                       quantizer: str = "auto") -> torch.Tensor | None:
     role_a, role_b = GEMM_ROLES[gemm]
@@ -441,8 +466,8 @@ def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool,
     state = _SCALED_MM_STATE.get(key)
     if isinstance(state, str) and not strict:
         return None
-    da, sa = run_quantizer(quantizer, q_fp8_blockwise, a, None, block_a)
-    db, sb = run_quantizer(quantizer, q_fp8_blockwise, b, None, block_b)
+    da, sa = _quantize_fp8_operand(quantizer, a, block_a)
+    db, sb = _quantize_fp8_operand(quantizer, b, block_b)
     try:
         out = fp8_blockwise_scaled_mm(da, sa, block_a, db, sb, block_b)
         if state is not True:
