@@ -177,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="smoke run on the CPU (no real FP8 GEMM there)")
     p.add_argument("--no-eager", action="store_true", help="skip the eager-quantizer rows")
     p.add_argument("--probe-layouts", action="store_true", help="only the raw torch._scaled_mm layout probe")
+    p.add_argument("--only", default="", help="comma-separated substrings: keep the recipe rows whose label "
+                   "contains one of them (nn.Linear bf16 always runs)")
     args = p.parse_args(argv)
     global DEVICE
     DEVICE = "cpu" if args.cpu else "cuda"
@@ -201,7 +203,10 @@ def main(argv=None) -> int:
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
         base = None
+        keep = [w for w in args.only.split(",") if w]
         for label, rec in cases(not args.no_eager).items():
+            if rec is not None and keep and not any(w in label for w in keep):
+                continue
             try:
                 f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps)
             except Exception as err:  # noqa: BLE001 - report whatever the layer raised
