@@ -142,11 +142,13 @@ def _check_destinations(dests, rows, want, fill, what):
         assert bool((dest[untouched] == fill).all()), f"{what}: destination {d} rows nobody targets were written"
 
 
+@pytest.mark.parametrize("bulk", [True, False])
 @pytest.mark.parametrize("round_up", [True, False])
 @pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 96, False), (300, 2048, False)])
-def test_quantize_mxfp4_rows_multi(t, h, dense, round_up):
+def test_quantize_mxfp4_rows_multi(t, h, dense, round_up, bulk):
     """Each token's byte row written to several destinations at once equals the spec's row, in every
-    destination that takes it (8 destinations: the most the kernel takes; an unaligned one too)."""
+    destination that takes it (8 destinations: the most the kernel takes; an unaligned one too, which
+    turns bulk copies off for that launch; H = 96: rows of 51 bytes, never bulk)."""
     x = _float_input(t, h, torch.bfloat16)
     rounding = "up" if round_up else "down"
     want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x, scale_rounding=rounding))
@@ -158,8 +160,8 @@ def test_quantize_mxfp4_rows_multi(t, h, dense, round_up):
         if num == 8:  # a destination starting at an odd address: byte stores
             raw = torch.full((caps[-1] * width + 1,), 0x5A, dtype=torch.uint8, device="cuda")
             dests[-1] = raw[1:].view(caps[-1], width)
-        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding)
-        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}")
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding, bulk_stores=bulk)
+        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}, bulk={bulk}")
 
 
 def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
@@ -179,8 +181,9 @@ def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
         ops.quantize_mxfp4_rows_multi(x, [dests[0][:, :-1], dests[1]], rows)
 
 
+@pytest.mark.parametrize("bulk", [True, False])
 @pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 128, False), (300, 2048, False)])
-def test_quantize_fp8_blockwise_rows_multi(t, h, dense):
+def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
     """FP8 1x128 byte rows [E4M3 | FP32 scales] to several destinations equal the spec's, in every
     destination that takes the token (shared-memory staging above 48 KB at 8 warps for H = 7168)."""
     x = _float_input(t, h, torch.bfloat16)
@@ -193,8 +196,8 @@ def test_quantize_fp8_blockwise_rows_multi(t, h, dense):
         if num == 8:  # a destination starting 4 bytes off a 16-byte boundary: 4-byte stores
             raw = torch.full((caps[-1] * want.shape[1] + 4,), 0x5A, dtype=torch.uint8, device="cuda")
             dests[-1] = raw[4:].view(caps[-1], want.shape[1])
-        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows)
-        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations")
+        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows, bulk_stores=bulk)
+        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations, bulk={bulk}")
     # float32 input: quantize, then the push
     xf = _float_input(64, h, torch.float32)
     data, scales = formats.quantize_fp8_blockwise(xf, block=(1, formats.FP8_GROUP))

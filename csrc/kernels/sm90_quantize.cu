@@ -248,8 +248,65 @@ __device__ __forceinline__ void store_staged_row(const uint8_t* row, uint8_t* ds
   }
 }
 
-// Dynamic shared memory of the multi-destination kernel: one staged row per warp.
+// Dynamic shared memory of the multi-destination kernels: one staged row per warp (two with bulk stores).
 __host__ __device__ inline size_t staged_row_pitch(long long row_bytes) { return static_cast<size_t>((row_bytes + 15) / 16 * 16); }
+
+// The warp's staged row for its next token: with two rows per warp (bulk stores), the one the copy
+// engine is not reading; lane 0 waits until the copies issued from it have read it.
+__device__ __forceinline__ uint8_t* next_staged_row(const RowDestinations& ds, int phase) {
+  extern __shared__ __align__(16) uint8_t staged_rows[];
+  const int per_warp = ds.staged_per_warp > 1 ? 2 : 1;
+  const size_t pitch = staged_row_pitch(ds.row_bytes);
+  return staged_rows + ((threadIdx.x >> 5) * per_warp + (per_warp > 1 ? phase : 0)) * pitch;
+}
+
+__device__ __forceinline__ void wait_staged_row_free(const RowDestinations& ds, int lane) {
+  if (ds.staged_per_warp > 0) {
+    if (lane == 0) {
+      if (ds.staged_per_warp > 1) {
+        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // the other row's copies may run on
+      } else {
+        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// Token t's staged row (complete in shared memory) to every destination that takes it: plain 16-byte
+// stores by the warp, or bulk copies issued by lane 0 (asynchronous: the warp goes on to the next
+// token while the copy engine writes, peers' rows over NVLink). Returns the next phase.
+__device__ __forceinline__ int push_staged_row(const RowDestinations& ds, long long t, const uint8_t* staged, int lane,
+                                               int phase) {
+  if (ds.staged_per_warp > 0) {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this lane's stores, seen by the copy engine
+    __syncwarp();
+    if (lane == 0) {
+      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(staged));
+      for (int d = 0; d < ds.num; ++d) {
+        const long long r = destination_row(ds, t, d);
+        if (r < 0) continue;
+        uint8_t* dst = destination_base(ds, d) + r * ds.row_bytes;
+        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                     :: "l"(dst), "r"(src), "r"(static_cast<uint32_t>(ds.row_bytes)) : "memory");
+      }
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    }
+    return ds.staged_per_warp > 1 ? phase ^ 1 : phase;
+  }
+  __syncwarp();  // the staged row is complete
+  for (int d = 0; d < ds.num; ++d) {  // (the rows again: an L1 hit, fewer live registers)
+    const long long r = destination_row(ds, t, d);
+    if (r >= 0) store_staged_row(staged, destination_base(ds, d) + r * ds.row_bytes, ds.row_bytes, lane);
+  }
+  __syncwarp();  // every lane has read the staged row before the next token overwrites it
+  return phase;
+}
+
+// End of a multi-destination kernel: the copy engine has finished every copy issued by this lane.
+__device__ __forceinline__ void finish_staged_rows(const RowDestinations& ds, int lane) {
+  if (ds.staged_per_warp > 0 && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
 
 // kRoundUp: "up" scale rounding (every scaled value at most 6: no saturation step), else "down".
 // kMulti: each token is read and encoded once into a row staged in shared memory (one per warp),
@@ -257,7 +314,6 @@ __host__ __device__ inline size_t staged_row_pitch(long long row_bytes) { return
 // NVLink); other warps' loads and encodes overlap those stores.
 template <bool kRoundUp, bool kMulti>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(const QuantizeMxfp4Params p) {
-  extern __shared__ __align__(16) uint8_t staged_rows[];
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
@@ -265,11 +321,13 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
   const uintptr_t obase = reinterpret_cast<uintptr_t>(p.packed);
   const bool aligned8 = kMulti || (((p.packed_stride & 7) == 0) && ((obase & 7) == 0));
   const bool aligned4 = kMulti || (((p.packed_stride & 3) == 0) && ((obase & 3) == 0));
-  uint8_t* staged = kMulti ? staged_rows + (threadIdx.x >> 5) * staged_row_pitch(p.dests.row_bytes) : nullptr;
+  int phase = 0;  // kMulti: which of the warp's staged rows the next token uses
   for (long long t = warp; t < p.tokens; t += num_warps) {
     long long orow = 0;
+    uint8_t* staged = nullptr;
     if constexpr (kMulti) {
       if (!destination_mask(p.dests, t)) continue;  // the same for the whole warp
+      staged = next_staged_row(p.dests, phase);
     } else {
       orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
       if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
@@ -288,6 +346,9 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
         } else {
           raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
         }
+      }
+      if constexpr (kMulti) {
+        if (base == 0) wait_staged_row_free(p.dests, lane);  // (the first loads are in flight)
       }
 #pragma unroll
       for (int u = 0; u < kBf16Unroll; ++u) {
@@ -323,32 +384,27 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
         if (item < items) store_bf16_item(prow, srow, item, lane, codes, sbyte, aligned8, aligned4);
       }
     }
-    if constexpr (kMulti) {
-      __syncwarp();  // the staged row is complete
-      for (int d = 0; d < p.dests.num; ++d) {  // (the rows again: an L1 hit, fewer live registers)
-        const long long r = destination_row(p.dests, t, d);
-        if (r >= 0) store_staged_row(staged, destination_base(p.dests, d) + r * p.dests.row_bytes, p.dests.row_bytes, lane);
-      }
-      __syncwarp();  // every lane has read the staged row before the next token overwrites it
-    }
+    if constexpr (kMulti) phase = push_staged_row(p.dests, t, staged, lane, phase);
   }
+  if constexpr (kMulti) finish_staged_rows(p.dests, lane);
 }
 
 // kMulti: byte rows [H E4M3 | H/128 FP32 scales] staged in shared memory (one per warp), then stored
 // to every destination of p.dests that takes the token (as the MXFP4 multi-destination kernel).
 template <FloatInput kType, bool kMulti>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(const QuantizeFp8Params p) {
-  extern __shared__ __align__(16) uint8_t staged_rows[];
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   const int items = p.hidden / 8;  // 16 items per 128-element group
   const int groups = p.hidden / kFp8Group;
   const size_t elem = kType == FloatInput::kFloat32 ? 4 : 2;
-  uint8_t* staged = kMulti ? staged_rows + (threadIdx.x >> 5) * staged_row_pitch(p.dests.row_bytes) : nullptr;
+  int phase = 0;  // kMulti: which of the warp's staged rows the next token uses
   for (long long t = warp; t < p.tokens; t += num_warps) {
+    uint8_t* staged = nullptr;
     if constexpr (kMulti) {
       if (!destination_mask(p.dests, t)) continue;  // the same for the whole warp
+      staged = next_staged_row(p.dests, phase);
     }
     const void* xrow = static_cast<const char*>(p.x) + static_cast<size_t>(t) * p.x_stride * elem;
     uint8_t* orow = kMulti ? staged : p.out + t * p.hidden;
@@ -363,6 +419,9 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
         } else {
           raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
         }
+      }
+      if constexpr (kMulti) {
+        if (base == 0) wait_staged_row_free(p.dests, lane);  // (the first loads are in flight)
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -385,15 +444,9 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
         }
       }
     }
-    if constexpr (kMulti) {
-      __syncwarp();  // the staged row is complete
-      for (int d = 0; d < p.dests.num; ++d) {
-        const long long r = destination_row(p.dests, t, d);
-        if (r >= 0) store_staged_row(staged, destination_base(p.dests, d) + r * p.dests.row_bytes, p.dests.row_bytes, lane);
-      }
-      __syncwarp();  // every lane has read the staged row before the next token overwrites it
-    }
+    if constexpr (kMulti) phase = push_staged_row(p.dests, t, staged, lane, phase);
   }
+  if constexpr (kMulti) finish_staged_rows(p.dests, lane);
 }
 
 // Byte rows to several destinations, one warp per row, V-sized accesses (V: uint4, uint32_t or uint8_t,
@@ -442,14 +495,21 @@ int grid_for_rows(Kernel kernel, long long rows, size_t smem = 0) {
 }
 
 // Launch of a multi-destination kernel: one staged row per warp in dynamic shared memory.
+// Bulk stores need 16-byte multiples everywhere; two staged rows per warp while a block's rows fit
+// in 100 KB (two blocks per SM), else one.
 template <typename Kernel, typename Params>
 cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long long row_bytes, cudaStream_t stream) {
-  const size_t smem = (kThreads / 32) * staged_row_pitch(row_bytes);
+  Params q = p;
+  const size_t pitch = staged_row_pitch(row_bytes);
+  bool bulk = q.dests.bulk && row_bytes % 16 == 0;
+  for (int d = 0; d < q.dests.num; ++d) bulk = bulk && (reinterpret_cast<uintptr_t>(q.dests.base[d]) & 15) == 0;
+  q.dests.staged_per_warp = bulk ? ((kThreads / 32) * 2 * pitch <= 100 * 1024 ? 2 : 1) : 0;
+  const size_t smem = (kThreads / 32) * pitch * (q.dests.staged_per_warp > 1 ? 2 : 1);
   if (smem > 48 * 1024) {  // above the default dynamic limit: raise it (fails past the device's)
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<grid_for_rows(kernel, rows, smem), kThreads, smem, stream>>>(p);
+  kernel<<<grid_for_rows(kernel, rows, smem), kThreads, smem, stream>>>(q);
   return cudaSuccess;
 }
 

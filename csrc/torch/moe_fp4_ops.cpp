@@ -176,15 +176,17 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
   return d;
 }
 
-// x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it.
+// x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it (bulk:
+// by the copy engine where the addresses allow it, else by 16-byte stores).
 void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector<Tensor>& dests,
-                               const Tensor& dest_rows) {
+                               const Tensor& dest_rows, bool bulk) {
   check_float_rows(x, 32);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t t = x.size(0), h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   moe_fp4::QuantizeMxfp4Params p{};
   p.dests = row_destinations(dests, dest_rows, x, t, h / 2 + h / 32);
+  p.dests.bulk = bulk;
   p.x = x.data_ptr();
   p.x_type = moe_fp4::FloatInput::kBFloat16;
   p.x_stride = x.stride(0);
@@ -196,13 +198,15 @@ void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector
 
 // x [T, H] bfloat16, H % 128 == 0 -> each token's FP8 1x128 byte row [H E4M3 | H/128 FP32 scales]
 // written to every destination that takes it.
-void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows) {
+void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows,
+                                       bool bulk) {
   check_float_rows(x, 128);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t t = x.size(0), h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   moe_fp4::QuantizeFp8Params p{};
   p.dests = row_destinations(dests, dest_rows, x, t, h + 4 * (h / 128));
+  p.dests.bulk = bulk;
   p.x = x.data_ptr();
   p.x_type = moe_fp4::FloatInput::kBFloat16;
   p.x_stride = x.stride(0);
@@ -390,10 +394,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("round_up"), py::arg("out"), py::arg("row_index"));
   m.def("quantize_mxfp4_rows_multi", &quantize_mxfp4_rows_multi,
         "x [T,H] bfloat16 -> MXFP4 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"));
+        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"));
   m.def("quantize_fp8_blockwise_rows_multi", &quantize_fp8_blockwise_rows_multi,
         "x [T,H] bfloat16 -> FP8 1x128 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("dests"), py::arg("dest_rows"));
+        py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"));
   m.def("scatter_rows", &scatter_rows, "byte rows src [T,B] copied to dests[d] at dest_rows[t, d]", py::arg("src"),
         py::arg("dests"), py::arg("dest_rows"));
   m.def("mxfp4_to_fp8_rows", &mxfp4_to_fp8_rows, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),

@@ -55,6 +55,8 @@ def _parse(argv):
     p.add_argument("--chunks", type=int, default=1, help="encode slices of the symm backend's dispatch")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
                    "transfer, conversions, combine kernels) at the largest token count")
+    p.add_argument("--profile-layout", action="store_true", help="profile 5 full (layout-computing) mxfp4 "
+                   "dispatches per backend at the largest token count (torch.profiler; rank 0 prints its top ops)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available() and a.backend != "gloo"
@@ -182,6 +184,12 @@ def _run(args) -> list[dict]:
                           flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
+    if args.profile_layout and device.type == "cuda":
+        t = max(args.tokens)
+        idx, w = _routing(t, args.topk, args.experts, device, seed=1234 + rank)
+        x = torch.randn(t, args.hidden, device=device, dtype=torch.bfloat16)
+        for b, buf in bufs.items():
+            _profile_layout(dist, buf, x, idx, w, f"{b}, {t} tokens/rank", rank)
     if args.breakdown and "symm" in bufs:
         t = max(args.tokens)
         idx, w = _routing(t, args.topk, args.experts, device, seed=1234 + rank)
@@ -190,8 +198,30 @@ def _run(args) -> list[dict]:
     return rows_out
 
 
+def _profile_layout(dist, buf, x, idx, w, what, rank) -> None:
+    """Where a full dispatch's time goes: host time per op and device time per kernel over 5 calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(2):
+        buf.dispatch(x, idx, w, payload="mxfp4")
+    torch.cuda.synchronize()
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            buf.dispatch(x, idx, w, payload="mxfp4")
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 5
+    if rank == 0:
+        events = prof.key_averages()
+        print(f"\nprofile of a full mxfp4 dispatch ({what}): {wall * 1e6:.0f} us wall per call, "
+              f"{sum(e.count for e in events if e.key.startswith('aten::')) / 5:.0f} aten calls per call")
+        print(events.table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60))
+
+
 def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     """us of the pieces of the mxfp4 dispatch and the bf16 combine over the symm backend."""
+    from moe_fp4 import ops
     from moe_fp4.ep import _triton_combine, _triton_rows, get_payload
     from moe_fp4.ep.payloads import PayloadCodec, gather_rows
     from moe_fp4.ep.symmetric import direct_plan
@@ -210,8 +240,10 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     own = b.staging(h.num_recv_tokens, recv.shape[1])
     push_plan = direct_plan(h, 1)
     res = [
-        ("push: fused encode + stores into every receiver (quantize_mxfp4_rows_multi)",
-         timer(lambda: codec.encode_push(x, dests, push_plan["peer_rank_table"]))),
+        ("push: fused encode + bulk copies into every receiver (quantize_mxfp4_rows_multi)",
+         timer(lambda: ops.quantize_mxfp4_rows_multi(x, dests, push_plan["peer_rank_table"], bulk_stores=True))),
+        ("push: fused encode + 16-byte warp stores into every receiver",
+         timer(lambda: ops.quantize_mxfp4_rows_multi(x, dests, push_plan["peer_rank_table"], bulk_stores=False))),
         ("push: copy all received rows out of the own buffer (upper bound of the copy-out)",
          timer(lambda: recv.copy_(own))),
         ("encode quantize_mxfp4_rows into staging", timer(lambda: codec.encode_into(x, staging))),
@@ -236,6 +268,13 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
         bf16 = get_payload("bf16")
         res.append(("push: bf16 rows, plain push (scatter_rows)",
                     timer(lambda: bf16.encode_push(x, bf16_dests, push_plan["peer_rank_table"]))))
+        fp8_width = hidden + hidden // 32
+        fp8_dests = [torch.empty(n_, fp8_width, dtype=torch.uint8, device=x.device) if r == me else
+                     b.peer_rows(r, n_, fp8_width) for r, n_ in enumerate(recv_per_rank)]
+        for bulk in (True, False):
+            res.append((f"push: fp8 rows, fused quantize, bulk_stores={bulk}",
+                        timer(lambda bulk=bulk: ops.quantize_fp8_blockwise_rows_multi(
+                            x, fp8_dests, push_plan["peer_rank_table"], bulk_stores=bulk))))
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",

@@ -27,6 +27,8 @@ Environment variables:
                          with a warning; 0: always the spec; 1: a failed build raises
   MOE_FP4_BUILD_VERBOSE  1: print the compiler commands while building
   MOE_FP4_CSRC           the csrc/ folder to build from (default: the one beside the package)
+  MOE_FP4_PUSH_BULK      1 (default): the multi-destination quantizers write rows with the bulk copy
+                         engine where they can; 0: with the warps' 16-byte stores
 
 Ragged segments (``split_lens`` / ``split_offsets``, int32 or int64 [E] on the input's device): rows
 [offsets[e], offsets[e] + lens[e]) belong to expert e; offsets None means back to back from row 0.
@@ -35,6 +37,8 @@ group count for its output shape and reads the lengths on the host once.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -219,6 +223,7 @@ def quantize_mxfp4_rows_multi(
     dest_rows: torch.Tensor,
     *,
     scale_rounding: str = "up",
+    bulk_stores: bool | None = None,
 ) -> None:
     """BF16ToFP4Row to several destinations at once: each token is read and encoded once and its byte
     row (quantize_mxfp4_rows' layout) stored into every destination that takes it. The expert-parallel
@@ -230,26 +235,40 @@ def quantize_mxfp4_rows_multi(
       can address, e.g. a peer's symmetric-memory buffer).
     dest_rows: int64 [T, D] on x's device, D = len(dests): token t goes to row dest_rows[t, d] of
       dests[d]; a negative row (or one >= R_d) is skipped. Rows of one destination must be distinct.
+    bulk_stores: each encoded row (staged in shared memory) is written by the bulk copy engine
+      (cp.async.bulk, asynchronous: the warp encodes the next token meanwhile) where every address and
+      the row size are 16-byte multiples, else by 16-byte stores of the warp; None: MOE_FP4_PUSH_BULK
+      (default 1). The bytes are the same either way.
     Writes in place; other rows of the destinations are left untouched.
     """
     _float_rows(x, 32)
     _rounding(scale_rounding)
     _destinations(dests, dest_rows, x, x.shape[0], formats.mxfp4_row_bytes(x.shape[1]))
-    _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows)
+    _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores))
 
 
-def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+def _bulk(bulk_stores):
+    if bulk_stores is None:
+        return os.environ.get("MOE_FP4_PUSH_BULK", "1") != "0"
+    if not isinstance(bulk_stores, bool):
+        raise ValueError(f"bulk_stores: expected True, False or None, got {bulk_stores!r}")
+    return bulk_stores
+
+
+def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,
+                                      bulk_stores: bool | None = None) -> None:
     """quantize_fp8_blockwise to several destinations at once, as byte rows: each token's H E4M3
     bytes followed by its H/128 FP32 scales (the fp8 dispatch payload), stored into every
     destination that takes it (see quantize_mxfp4_rows_multi).
 
     x: bfloat16/float32/float16 [T, H], H a multiple of 128 (bfloat16 on CUDA: one fused kernel);
-    dests: 1 to 8 uint8 tensors [R_d, H + H/32]; dest_rows: int64 [T, D] (negative: skipped).
+    dests: 1 to 8 uint8 tensors [R_d, H + H/32]; dest_rows: int64 [T, D] (negative: skipped);
+    bulk_stores: as in quantize_mxfp4_rows_multi.
     """
     _float_rows(x, formats.FP8_GROUP)
     h = x.shape[1]
     _destinations(dests, dest_rows, x, x.shape[0], h + 4 * (h // formats.FP8_GROUP))
-    _ops.quantize_fp8_blockwise_rows_multi_op(x, list(dests), dest_rows)
+    _ops.quantize_fp8_blockwise_rows_multi_op(x, list(dests), dest_rows, _bulk(bulk_stores))
 
 
 def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:

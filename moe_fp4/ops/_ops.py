@@ -136,10 +136,10 @@ def _(src, dests, dest_rows):
 
 @torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_multi", mutates_args=("dests",))
 def quantize_mxfp4_rows_multi_op(
-    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor
+    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool
 ) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows)
+        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk)
         return
     # other input dtypes (and the spec): the rows once, then the push
     t, h = x.shape
@@ -153,14 +153,16 @@ def quantize_mxfp4_rows_multi_op(
 
 
 @quantize_mxfp4_rows_multi_op.register_fake
-def _(x, scale_rounding, dests, dest_rows):
+def _(x, scale_rounding, dests, dest_rows, bulk):
     return None
 
 
 @torch.library.custom_op(f"{LIB}::quantize_fp8_blockwise_rows_multi", mutates_args=("dests",))
-def quantize_fp8_blockwise_rows_multi_op(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+def quantize_fp8_blockwise_rows_multi_op(
+    x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool
+) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows)
+        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, bulk)
         return
     data, scales = quantize_fp8_blockwise_op(x)  # other input dtypes (and the spec): rows, then the push
     rows = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
@@ -171,7 +173,7 @@ def quantize_fp8_blockwise_rows_multi_op(x: torch.Tensor, dests: list[torch.Tens
 
 
 @quantize_fp8_blockwise_rows_multi_op.register_fake
-def _(x, dests, dest_rows):
+def _(x, dests, dest_rows, bulk):
     return None
 
 
