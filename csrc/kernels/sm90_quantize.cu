@@ -232,8 +232,8 @@ __device__ __forceinline__ unsigned destination_mask(const RowDestinations& ds, 
 
 // One warp copies a row staged in shared memory (16-byte aligned) to dst, in the widest accesses dst
 // allows: 16-byte stores reach a peer over NVLink as whole packets (the fused MXFP4 push writing each
-// row piecewise from registers, 8 code bytes and 1 scale byte per lane, took 295 us against 270 us
-// staged for 16384 DeepSeek-V3 tokens to 2 H200s).
+// row piecewise from registers, 8 code bytes and 1 scale byte per lane, took 295 us for 16384
+// DeepSeek-V3 tokens to 2 H200s; staged, 270 us, in a run on another machine of the same type).
 __device__ __forceinline__ void store_staged_row(const uint8_t* row, uint8_t* dst, long long bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes);
   if ((a & 15) == 0) {
