@@ -3,8 +3,10 @@
   layout     dispatch_layout: tokens per rank / per expert, is_token_in_rank, the send order
   payloads   wire formats as opaque byte rows: bf16, fp8 (E4M3 + FP32 per 128), mxfp4, nvfp4
   backends   all_to_all_single over a process group (NCCL on CUDA, gloo on CPU), or one process
-  symmetric  backend="symm": payload rows and combine partials read straight out of peers'
-             symmetric-memory buffers over NVLink (Triton kernels; NCCL stays the default)
+  symmetric  backend="symm" over torch symmetric memory (NCCL stays the default): the dispatch
+             pushes each token's encoded row straight into every receiver's buffer over NVLink
+             (one fused encode-and-store kernel per payload), combine sums partials read out of
+             the peers' buffers (Triton)
   buffer     Buffer.dispatch / Buffer.combine with a reusable handle
   autograd   dispatch_with_grad / combine_with_grad (BF16 or FP8 gradients)
   bench      `python -m moe_fp4 bench dispatch`
