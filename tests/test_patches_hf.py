@@ -36,14 +36,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository r
 
 from moe_fp4.ep import get_payload  # noqa: E402
 from patches.hf_transformers import (  # noqa: E402
-    EP_IMPLEMENTATIONS,
-    MoeFp4BF16EP,
-    MoeFp4EP,
-    MoeFp4FP8EP,
     enable_expert_parallel,
     find_experts_modules,
+    has_ep_implementation_api,
     register_ep_implementations,
 )
+
+# transformers' EPImplementation interface is not in every 5.x release (enable_expert_parallel needs none)
+needs_ep_api = pytest.mark.skipif(not has_ep_implementation_api(),
+                                  reason="this transformers has no transformers.distributed.expert_parallel")
+if has_ep_implementation_api():
+    from patches.hf_transformers_ep import EP_IMPLEMENTATIONS, MoeFp4BF16EP, MoeFp4EP, MoeFp4FP8EP  # noqa: E402
 
 WORLD = 2
 U_BF16 = 2.0 ** -8
@@ -376,6 +379,7 @@ def case_plan(ctx, seed: int, name: str, payload: str):
     return out
 
 
+@needs_ep_api
 @pytest.mark.parametrize("name,payload", [("moe_fp4_bf16", "bf16"), ("moe_fp4", "mxfp4")])
 def test_transformers_plan_with_moe_fp4_matches_unpatched(pool, name, payload):
     """Same tolerances as the enable_expert_parallel path (measured here: logits 3e-4 bf16 and 1.6e-2
@@ -399,6 +403,7 @@ def case_plan_with_tp(ctx, seed: int):
         transformers.PreTrainedModel.maybe_distribute_model(model, config, meshes)
 
 
+@needs_ep_api
 def test_transformers_plan_with_tensor_parallel_raises(pool):
     pool.run(case_plan_with_tp, random.randrange(1 << 30))
 
@@ -462,6 +467,7 @@ def case_direct(ctx, seed: int):
     return out
 
 
+@needs_ep_api
 def test_ep_implementation_direct_empty_ranks(pool):
     """A rank that receives no rows, or holds no tokens, still joins every exchange (forward and
     backward) and gets zero, not missing, expert gradients; outputs within the combine's BF16 bound;
@@ -472,6 +478,7 @@ def test_ep_implementation_direct_empty_ranks(pool):
         assert r["grad"] and max(r["grad"]) < 1e-2
 
 
+@needs_ep_api
 def test_register_ep_implementations():
     from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
@@ -488,3 +495,18 @@ def test_register_ep_implementations():
             register_ep_implementations()
     finally:
         EPImplementationInterface.register("moe_fp4_bf16", MoeFp4BF16EP)
+
+
+def test_without_the_ep_interface_only_the_ep_implementation_path_is_refused(monkeypatch):
+    # On a transformers release without transformers.distributed.expert_parallel the EPImplementation
+    # names raise a clear ImportError, while enable_expert_parallel keeps working.
+    import patches.hf_transformers as H
+
+    monkeypatch.setattr(H, "has_ep_implementation_api", lambda: False)
+    with pytest.raises(ImportError, match="transformers.distributed.expert_parallel"):
+        H.register_ep_implementations()
+    with pytest.raises(ImportError, match="enable_expert_parallel"):
+        H.MoeFp4EP  # noqa: B018
+    with pytest.raises(AttributeError):
+        H.no_such_name  # noqa: B018
+    assert callable(H.enable_expert_parallel)
