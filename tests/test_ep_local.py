@@ -492,6 +492,17 @@ def _destination_rows(t, caps):
     return torch.stack(cols, 1)
 
 
+def _assert_rows_landed(dests, rows, want):
+    """Row t of want sits at row rows[t, d] of dests[d] wherever that is in range; every other row of
+    every destination still holds the 0x5A fill."""
+    for d, dest in enumerate(dests):
+        keep = (rows[:, d] >= 0) & (rows[:, d] < dest.shape[0])
+        assert_bitwise_equal(dest[rows[keep, d]], want[keep], f"destination {d}")
+        untouched = torch.ones(dest.shape[0], dtype=torch.bool)
+        untouched[rows[keep, d]] = False
+        assert bool((dest[untouched] == 0x5A).all()), f"destination {d}: rows written that no token maps to"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_quantize_mxfp4_rows_multi_matches_spec(dtype):
     from moe_fp4 import ops
@@ -504,12 +515,7 @@ def test_quantize_mxfp4_rows_multi_matches_spec(dtype):
     rows = _destination_rows(40, caps)
     dests = [torch.full((c, want.shape[1]), 0x5A, dtype=torch.uint8) for c in caps]
     ops.quantize_mxfp4_rows_multi(x, dests, rows)
-    for d, dest in enumerate(dests):
-        keep = (rows[:, d] >= 0) & (rows[:, d] < caps[d])
-        assert_bitwise_equal(dest[rows[keep, d]], want[keep], f"destination {d}")
-        untouched = torch.ones(caps[d], dtype=torch.bool)
-        untouched[rows[keep, d]] = False
-        assert bool((dest[untouched] == 0x5A).all())
+    _assert_rows_landed(dests, rows, want)
 
 
 def test_quantize_fp8_blockwise_rows_multi_matches_spec():
@@ -523,9 +529,7 @@ def test_quantize_fp8_blockwise_rows_multi_matches_spec():
     rows = _destination_rows(30, caps)
     dests = [torch.full((c, want.shape[1]), 0x5A, dtype=torch.uint8) for c in caps]
     ops.quantize_fp8_blockwise_rows_multi(x, dests, rows)
-    for d, dest in enumerate(dests):
-        keep = (rows[:, d] >= 0) & (rows[:, d] < caps[d])
-        assert_bitwise_equal(dest[rows[keep, d]], want[keep], f"destination {d}")
+    _assert_rows_landed(dests, rows, want)
     with pytest.raises(ValueError, match="dests"):
         ops.quantize_fp8_blockwise_rows_multi(x, [d[:, :-4] for d in dests], rows)
     with pytest.raises(ValueError, match="x"):
