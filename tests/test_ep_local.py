@@ -550,6 +550,8 @@ def test_scatter_rows_and_errors():
         ((src, dests * 5, rows), "dests"),
         ((src, [dests[0][:, :10], dests[1]], rows), "dests"),
         ((src, [dests[0].t(), dests[1]], rows), "dests"),
+        ((src, [torch.zeros(60, 20, dtype=torch.uint8)[::2], dests[1]], rows), "dests"),  # rows apart
+        ((src[:1], [torch.zeros(1, 40, dtype=torch.uint8)[:, ::2]], rows[:1, :1]), "dests"),  # strided bytes
         ((src, dests, rows[:29]), "dest_rows"),
         ((src, dests, rows.to(torch.int32)), "dest_rows"),
         ((src, dests, rows.t().contiguous().t()), "dest_rows"),

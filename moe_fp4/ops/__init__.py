@@ -207,8 +207,10 @@ def _destinations(dests, dest_rows, ref, tokens, width):
             raise ValueError(f"dests[{i}]: expected a {ref.device.type} tensor, got {d.device}")
         if d.shape[1] != width:
             raise ValueError(f"dests[{i}]: expected {width} bytes per row, got {d.shape[1]}")
-        if d.shape[0] > 1 and (d.stride(0) != width or d.stride(1) != 1):
-            raise ValueError(f"dests[{i}]: expected back-to-back rows, got strides {d.stride()}")
+        # (a single row still needs contiguous bytes: the kernels store each row as one run)
+        if (d.shape[0] > 1 and d.stride(0) != width) or (width > 1 and d.shape[0] and d.stride(1) != 1):
+            raise ValueError(f"dests[{i}]: expected back-to-back rows of {width} contiguous bytes, got "
+                             f"strides {d.stride()}")
     _tensor(dest_rows, "dest_rows", (torch.int64,), 2)
     _same_device(dest_rows, ref, "dest_rows")
     if tuple(dest_rows.shape) != (tokens, len(dests)):
