@@ -121,12 +121,16 @@ def _spec_scatter_rows(src, dests, dest_rows):
         dest[r[keep]] = src[keep]
 
 
-@torch.library.custom_op(f"{LIB}::scatter_rows", mutates_args=("dests",))
-def scatter_rows_op(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+def _scatter_rows(src, dests, dest_rows):
     if _native_for(src):
         _native.module().scatter_rows(src, dests, dest_rows)
     else:
         _spec_scatter_rows(src, dests, dest_rows)
+
+
+@torch.library.custom_op(f"{LIB}::scatter_rows", mutates_args=("dests",))
+def scatter_rows_op(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+    _scatter_rows(src, dests, dest_rows)
 
 
 @scatter_rows_op.register_fake
@@ -141,15 +145,8 @@ def quantize_mxfp4_rows_multi_op(
     if _native_for(x) and x.dtype == torch.bfloat16:
         _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk)
         return
-    # other input dtypes (and the spec): the rows once, then the push
-    t, h = x.shape
-    rows = torch.empty((t, formats.mxfp4_row_bytes(h)), dtype=torch.uint8, device=x.device)
-    if _native_for(x):
-        _native.module().quantize_mxfp4_rows_into(x, _round_up(scale_rounding), rows, None)
-        _native.module().scatter_rows(rows, dests, dest_rows)
-    else:
-        _spec_rows_into(x, scale_rounding, rows, None)
-        _spec_scatter_rows(rows, dests, dest_rows)
+    rows = quantize_mxfp4_rows_op(x, scale_rounding)  # other input dtypes (and the spec): rows, then the push
+    _scatter_rows(rows, dests, dest_rows)
 
 
 @quantize_mxfp4_rows_multi_op.register_fake
@@ -165,11 +162,7 @@ def quantize_fp8_blockwise_rows_multi_op(
         _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, bulk)
         return
     data, scales = quantize_fp8_blockwise_op(x)  # other input dtypes (and the spec): rows, then the push
-    rows = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
-    if _native_for(x):
-        _native.module().scatter_rows(rows, dests, dest_rows)
-    else:
-        _spec_scatter_rows(rows, dests, dest_rows)
+    _scatter_rows(torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1), dests, dest_rows)
 
 
 @quantize_fp8_blockwise_rows_multi_op.register_fake
