@@ -503,18 +503,19 @@ def _assert_rows_landed(dests, rows, want):
         assert bool((dest[untouched] == 0x5A).all()), f"destination {d}: rows written that no token maps to"
 
 
+@pytest.mark.parametrize("rounding", ["up", "down"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_quantize_mxfp4_rows_multi_matches_spec(dtype):
+def test_quantize_mxfp4_rows_multi_matches_spec(dtype, rounding):
     from moe_fp4 import ops
 
     x = (torch.randn(40, 96) * torch.exp2(torch.randint(-20, 20, (40, 1)).float())).to(dtype)
     x[3, 5] = float("nan")
     x[4, :32] = 0.0
-    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x, scale_rounding=rounding))
     caps = [40, 45, 38]
     rows = _destination_rows(40, caps)
     dests = [torch.full((c, want.shape[1]), 0x5A, dtype=torch.uint8) for c in caps]
-    ops.quantize_mxfp4_rows_multi(x, dests, rows)
+    ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding)
     _assert_rows_landed(dests, rows, want)
 
 
