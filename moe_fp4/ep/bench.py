@@ -224,7 +224,7 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     from moe_fp4 import ops
     from moe_fp4.ep import _triton_combine, _triton_rows, get_payload
     from moe_fp4.ep.payloads import PayloadCodec, gather_rows
-    from moe_fp4.ep.symmetric import direct_plan
+    from moe_fp4.ep.symmetric import direct_plan, recv_rows_per_rank
 
     codec = get_payload("mxfp4")
     out = buf.dispatch(x, idx, w, payload=codec)
@@ -235,7 +235,7 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     y = out.values(torch.bfloat16)
     partial = torch.empty(h.num_recv_tokens, hidden, dtype=torch.bfloat16, device=x.device)
     w_, me = h.world_size, h.rank
-    recv_per_rank = [sum(h.count_matrix[s][r] for s in range(w_)) for r in range(w_)]
+    recv_per_rank = recv_rows_per_rank(h)
     dests = [recv if r == me else b.peer_rows(r, recv_per_rank[r], recv.shape[1]) for r in range(w_)]
     own = b.staging(h.num_recv_tokens, recv.shape[1])
     push_plan = direct_plan(h, 1)

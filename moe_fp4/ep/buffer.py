@@ -54,7 +54,8 @@ class DispatchHandle:
     send_token: int64 [n_send], the token of each sent row (grouped by destination rank);
     recv_src_token: int64 [n_recv], the index of each received token in its source's batch;
     peer_num_tokens: host ints [W], every rank's batch size; count_matrix: host ints [W][W], tokens
-    rank s sends to rank d (the direct backend reads peers' buffers at offsets derived from them);
+    rank s sends to rank d (the direct backend finds rows in its own and peers' buffers at offsets
+    derived from them);
     recv_topk_idx: int64 [n_recv, k], local expert ids of each received token, -1 elsewhere;
     recv_topk_weights: float32 [n_recv, k] or None;
     expand_row / expand_slot: int64 [N], the received token and slot of each output row;
@@ -199,9 +200,9 @@ class Buffer:
       torch.distributed is not initialised);
     payload: the default dispatch payload ("bf16", "fp8", "mxfp4", "nvfp4" or a PayloadCodec);
     backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
-      (checked against the group), "symm" (an NCCL group whose GPUs share NVLink: payload rows and
-      combine partials move by direct reads of peers' symmetric-memory buffers, see
-      moe_fp4.ep.symmetric), or an AllToAllBackend;
+      (checked against the group), "symm" (an NCCL group whose GPUs share NVLink: the dispatch stores
+      payload rows straight into the receivers' symmetric-memory buffers, the combine reads partials
+      out of the peers' buffers, see moe_fp4.ep.symmetric), or an AllToAllBackend;
     point_to_point: send the payload rows as per-peer sends and copy this rank's own rows directly
       (default False: one all_to_all_single)."""
 

@@ -16,8 +16,9 @@
   combine   every expert rank writes its per-token partial sums into its staging buffer; after a
             barrier each token's rank sums (and, for fp8/mxfp4 wires, decodes) its partials straight
             out of the peers' buffers (one Triton kernel: no receive buffer, no all-to-all).
-Each operation starts with a barrier, so no rank overwrites its staging buffer while a peer still
-reads it. Results are bit for bit those of the NCCL path (tests/test_ep_gpu.py checks it).
+Each operation starts with a barrier, so no rank writes into a buffer (its own staging buffer, or a
+receiver's in the push dispatch) while that buffer's rows are still being read (copied out by its
+owner, or read by a peer). Results are bit for bit those of the NCCL path (tests/test_ep_gpu.py checks it).
 
 ``chunks=N`` cuts the dispatch encode (and the bf16 combine) into N slices and copies slice c on a
 high-priority side stream, behind a barrier of its own, while slice c + 1 is encoded. On 2 H200s
@@ -47,7 +48,9 @@ _MIB = 1 << 20
 
 
 class SymmetricMemoryBackend(TorchDistributedBackend):
-    """Payload rows and combine partials by direct reads of peers' symmetric-memory buffers.
+    """Payload rows and combine partials through the ranks' symmetric-memory buffers: the dispatch
+    stores rows straight into the receivers' buffers (or, pulling, reads them out of the senders'),
+    the combine reads the partial sums out of the peers' buffers.
 
     group: an NCCL process group (None: the default group) whose ranks share NVLink (one host);
     chunks: slices of the pull dispatch's encode (and of the bf16 combine) pipelined with the
@@ -215,6 +218,13 @@ def direct_plan(handle, chunks: int) -> dict:
     return cache[chunks]
 
 
+def recv_rows_per_rank(handle) -> list[int]:
+    """Host ints [W]: how many rows each rank receives in the dispatch of ``handle`` (the same list on
+    every rank, so buffer sizes computed from it agree)."""
+    w = handle.world_size
+    return [sum(handle.count_matrix[s][r] for s in range(w)) for r in range(w)]
+
+
 def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
     """Token slices [ceil(c T / C), ceil((c + 1) T / C)) for c < C: token t is in slice t * C // T."""
     cut = [-(-c * num_tokens // chunks) for c in range(chunks + 1)]
@@ -263,7 +273,7 @@ def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -
     w, me = handle.world_size, handle.rank
     width = codec.row_bytes(x.shape[1])
     plan = direct_plan(handle, 1)
-    recv_per_rank = [sum(handle.count_matrix[s][r] for s in range(w)) for r in range(w)]
+    recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
     try:
@@ -297,8 +307,7 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     arithmetic and bits as Buffer.combine's all-to-all path)."""
     hidden = y.shape[1]
     plan = direct_plan(handle, backend.chunks)
-    n_recv_per_rank = [sum(handle.count_matrix[s][r] for s in range(handle.world_size))
-                       for r in range(handle.world_size)]
+    n_recv_per_rank = recv_rows_per_rank(handle)
     bf16_wire = codec.name == "bf16"
     width = 2 * hidden if bf16_wire else codec.row_bytes(hidden)
     backend.ensure_capacity(max(n_recv_per_rank) * width)
