@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from _compare import assert_bitwise_equal
 
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, dispatch_layout, get_payload, send_order
-from moe_fp4.ep.backends import LocalBackend, make_backend
+from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, make_backend
 
 
 def random_routing(t, k, num_experts, *, allow_dups=True):
@@ -472,6 +474,114 @@ def check_push_path_in_a_world_of_one():
 
 def test_push_path_in_a_world_of_one_interpreted():
     _interpreted("check_push_path_in_a_world_of_one")
+
+
+class _ThreadWorld:
+    """Ranks as threads of one process: a barrier, one mailbox and one buffer per rank."""
+
+    def __init__(self, world_size):
+        self.world_size = world_size
+        self.sync = threading.Barrier(world_size, timeout=60)
+        self.mail = [None] * world_size
+        self.buffers = [None] * world_size
+
+
+class _ThreadRank(AllToAllBackend):
+    """all_to_all between the threads of a _ThreadWorld (the reference path)."""
+
+    name = "threads"
+
+    def __init__(self, world, rank):
+        self.world, self.rank, self.world_size = world, rank, world.world_size
+
+    def all_to_all(self, out, inp, out_splits, in_splits):
+        w = self.world_size
+        self.world.mail[self.rank] = inp.split(in_splits or [inp.shape[0] // w] * w)
+        self.world.sync.wait()
+        out.copy_(torch.cat([self.world.mail[s][self.rank] for s in range(w)]))
+        self.world.sync.wait()  # every rank has read its blocks before the mailboxes change
+
+
+class _ThreadRankDirect(_ThreadRank):
+    """The push dispatch between threads: peer_rows hands out the other ranks' buffers (pre-filled
+    with 0x5A), so each rank's rows really land in its receivers' buffers."""
+
+    direct = True
+    side_stream = None
+    chunks = 1
+    push = True
+
+    def __init__(self, world, rank):
+        super().__init__(world, rank)
+        self.capacity, self.barriers = 0, []
+
+    def usable(self, t):
+        return True
+
+    def ensure_capacity(self, nbytes):
+        if nbytes > self.capacity:  # collective, as the symmetric-memory allocation
+            self.world.buffers[self.rank] = torch.full((nbytes,), 0x5A, dtype=torch.uint8)
+            self.capacity = nbytes
+            self.world.sync.wait()
+
+    def staging(self, rows, width):
+        return self.world.buffers[self.rank][: rows * width].view(rows, width)
+
+    def peer_rows(self, rank, rows, width):
+        return self.world.buffers[rank][: rows * width].view(rows, width)
+
+    def barrier(self, channel):
+        self.barriers.append(channel)
+        self.world.sync.wait()
+
+
+def _run_threads(world_size, fn, *args):
+    """fn(world, rank, *args) on world_size threads; returns their results, re-raises the first error."""
+    world = _ThreadWorld(world_size)
+    results, errors = [None] * world_size, []
+
+    def body(rank):
+        try:
+            results[rank] = fn(world, rank, *args)
+        except BaseException as e:  # a failing rank releases the others' barriers
+            errors.append(e)
+            world.sync.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
+    return results
+
+
+def _push_rank(world, rank, payload, xs, idxs, ws, n_exp):
+    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    ref = Buffer(n_exp, payload=payload, backend=_ThreadRank(world, rank)).dispatch(x, idx, w)
+    backend = _ThreadRankDirect(world, rank)
+    buf = Buffer(n_exp, payload=payload, backend=backend)
+    got = buf.dispatch(x, idx, w)
+    again = buf.dispatch(x, handle=got.handle)  # overwrites the buffers: got's rows must be a copy
+    return ref.recv_rows, got.recv_rows, again.recv_rows, backend.barriers
+
+
+@pytest.mark.parametrize("payload", ["mxfp4", "bf16", "fp8", "nvfp4"])
+def test_push_rows_land_in_peer_buffers(payload):
+    """The push dispatch in a world of three threads (batches of 23, 0 and 17 tokens): each rank
+    stores its rows into the other ranks' buffers, each receiver copies them out; the received rows
+    equal the all-to-all path's, full and cached, float32 and bfloat16 tokens."""
+    n_exp, k, tokens = 6, 3, (23, 0, 17)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [(torch.randn(t, 256) * 3).to(dtype) for t in tokens]
+        idxs = [random_routing(t, k, n_exp) for t in tokens]
+        ws = [torch.rand(t, k) for t in tokens]
+        for rank, (ref, got, again, barriers) in enumerate(_run_threads(3, _push_rank, payload, xs, idxs, ws, n_exp)):
+            assert ref.shape[0] > 0, f"rank {rank} received no rows"
+            assert_bitwise_equal(got, ref, f"rank {rank}, {payload} {dtype}: received rows")
+            assert_bitwise_equal(again, ref, f"rank {rank}, {payload} {dtype}: received rows, cached")
+            assert barriers == [0, 1, 0, 1], barriers
 
 
 # ------------------------------------------------------------------------------------------------
