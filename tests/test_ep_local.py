@@ -445,35 +445,43 @@ def check_direct_path_in_a_world_of_one():
                 assert backend.barriers == [0] + list(range(1, steps + 1)), (wire, backend.barriers)
 
 
-def test_direct_path_in_a_world_of_one_interpreted():
-    _interpreted("check_direct_path_in_a_world_of_one")
-
-
 def check_push_path_in_a_world_of_one():
     """The push dispatch (each row stored straight into its receiver's rows, behind two barriers)
-    gives the all-to-all path's bits for every payload, full and cached, float32 and bfloat16 tokens."""
+    gives the all-to-all path's bits for every payload, full and cached, with the FP8 expert rows
+    converted from them; a combine over the same buffer afterwards gives the all-to-all path's sums.
+    (float32 tokens and rows that land in peers' buffers: test_push_rows_land_in_peer_buffers.)"""
     from moe_fp4.ep import _triton_combine
 
     _triton_combine._BF16_STORE_OK[torch.device("cpu")] = False
     for payload in ("mxfp4", "bf16", "fp8", "nvfp4"):
-        for dtype in (torch.float32, torch.bfloat16):
-            x = (torch.randn(23, 256) * 3).to(dtype)
-            idx = random_routing(23, 3, 4)
-            idx[5] = -1  # a token sent nowhere
-            w = torch.rand(23, 3)
-            ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
-            backend = _OneRankDirect(1, push=True)
-            buf = Buffer(4, payload=payload, backend=backend)
-            got = buf.dispatch(x, idx, w, return_fp8=True)
-            again = buf.dispatch(x, handle=got.handle, return_fp8=True)
-            for out, what in ((got, "full"), (again, "cached")):
-                assert_bitwise_equal(out.recv_rows, ref.recv_rows, f"{payload} {dtype} {what}: received rows")
-                assert_bitwise_equal(out.fp8[0], ref.fp8[0], f"{payload} {dtype} {what}: fp8")
-            assert backend.barriers == [0, 1, 0, 1], backend.barriers
+        x = (torch.randn(23, 256) * 3).to(torch.bfloat16)
+        idx = random_routing(23, 3, 4)
+        idx[5] = -1  # a token sent nowhere
+        w = torch.rand(23, 3)
+        ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
+        backend = _OneRankDirect(1, push=True)
+        buf = Buffer(4, payload=payload, backend=backend)
+        got = buf.dispatch(x, idx, w, return_fp8=True)
+        again = buf.dispatch(x, handle=got.handle, return_fp8=True)
+        for out, what in ((got, "full"), (again, "cached")):
+            assert_bitwise_equal(out.recv_rows, ref.recv_rows, f"{payload} {what}: received rows")
+            assert_bitwise_equal(out.fp8[0], ref.fp8[0], f"{payload} {what}: fp8")
+            assert_bitwise_equal(out.fp8[1], ref.fp8[1], f"{payload} {what}: fp8 scales")
+        assert backend.barriers == [0, 1, 0, 1], backend.barriers
+        if payload == "mxfp4":  # (the combine's wire does not depend on the dispatch payload)
+            y = (ref.values() * 2).to(torch.bfloat16)
+            assert_bitwise_equal(buf.combine(y, again.handle), Buffer(4).combine(y, ref.handle),
+                                 "combine after the push")
 
 
-def test_push_path_in_a_world_of_one_interpreted():
-    _interpreted("check_push_path_in_a_world_of_one")
+def check_pull_and_push_paths_in_a_world_of_one():
+    check_direct_path_in_a_world_of_one()
+    check_push_path_in_a_world_of_one()
+
+
+def test_pull_and_push_paths_in_a_world_of_one_interpreted():
+    # one interpreter process for both (its start and the kernels' first runs take seconds)
+    _interpreted("check_pull_and_push_paths_in_a_world_of_one")
 
 
 class _ThreadWorld:
