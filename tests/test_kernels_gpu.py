@@ -209,7 +209,7 @@ def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
 
 
 @pytest.mark.parametrize("t,width", [(4096, 14336), (333, 3808), (50, 4036), (9, 17)])
-def test_quantize_scatter_rows(t, width):
+def test_scatter_rows(t, width):
     """Byte rows pushed to several destinations (16-, 4- and 1-byte paths, a strided source)."""
     wide = torch.randint(0, 256, (t, width + 16), dtype=torch.uint8, device="cuda")
     src = wide[:, :width] if width % 16 else wide[:, :width].contiguous()
