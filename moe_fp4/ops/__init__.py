@@ -235,14 +235,16 @@ def quantize_mxfp4_rows_multi(
       dtypes: the rows first, then ``scatter_rows``).
     dests: 1 to 8 uint8 tensors [R_d, H/2 + H/32] with back-to-back rows (on CUDA any memory this GPU
       can address, e.g. a peer's symmetric-memory buffer).
-    dest_rows: int64 [T, D] on x's device, D = len(dests): token t goes to row dest_rows[t, d] of
-      dests[d]; a negative row (or one >= R_d) is skipped. Rows of one destination must be distinct.
+    dest_rows: int64 [T, D] on x's device, contiguous, D = len(dests): token t goes to row
+      dest_rows[t, d] of dests[d]; a negative row (or one >= R_d) is skipped. Rows of one destination
+      must be distinct (not checked: that would synchronise).
+    scale_rounding: "up" or "down", as in quantize_mxfp4.
     bulk_stores: each encoded row (staged in shared memory) is written by the bulk copy engine
       (cp.async.bulk, asynchronous: the warp encodes the next token meanwhile) where every address and
       the row size are 16-byte multiples, else by 16-byte stores of the warp; None: MOE_FP4_PUSH_BULK
       (default 0: the warp's stores, 8% faster for 16384 DeepSeek-V3 tokens to 2 H200s; the bulk
       copies were no faster for FP8 rows either). The bytes are the same either way.
-    Writes in place; other rows of the destinations are left untouched.
+    Writes in place and returns None; other rows of the destinations are left untouched.
     """
     _float_rows(x, 32)
     _rounding(scale_rounding)
@@ -264,9 +266,13 @@ def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor]
     bytes followed by its H/128 FP32 scales (the fp8 dispatch payload), stored into every
     destination that takes it (see quantize_mxfp4_rows_multi).
 
-    x: bfloat16/float32/float16 [T, H], H a multiple of 128 (bfloat16 on CUDA: one fused kernel);
-    dests: 1 to 8 uint8 tensors [R_d, H + H/32]; dest_rows: int64 [T, D] (negative: skipped);
+    x: bfloat16/float32/float16 [T, H], H a multiple of 128 (bfloat16 on CUDA: one fused kernel;
+      other dtypes: quantize_fp8_blockwise, then ``scatter_rows``);
+    dests: 1 to 8 uint8 tensors [R_d, H + H/32] with back-to-back rows;
+    dest_rows: int64 [T, D] on x's device, contiguous, D = len(dests) (negative or >= R_d: skipped;
+      distinct within a destination);
     bulk_stores: as in quantize_mxfp4_rows_multi.
+    Writes in place and returns None; other rows of the destinations are left untouched.
     """
     _float_rows(x, formats.FP8_GROUP)
     h = x.shape[1]
@@ -279,7 +285,8 @@ def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.
     (skipped when negative or >= R_d). The dispatch's push of rows that need no encoding.
 
     src: uint8 [T, B] (contiguous last dimension); dests: 1 to 8 uint8 tensors [R_d, B] with
-    back-to-back rows; dest_rows: int64 [T, D] on src's device. Writes in place.
+    back-to-back rows; dest_rows: int64 [T, D] on src's device, contiguous, D = len(dests) (distinct
+    within a destination). Writes in place and returns None; other rows are left untouched.
     """
     _tensor(src, "src", (torch.uint8,), 2)
     if src.shape[1] and src.stride(1) != 1:
