@@ -102,9 +102,12 @@ class PayloadCodec:
         return out
 
     def encode_push(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
-        """encode(x) with row t stored into row dest_rows[t, d] of each dests[d] (uint8 [R_d,
-        row_bytes(H)]; negative rows skipped): the direct dispatch's push into every rank's receive
-        buffer. Default: encode, then ``ops.scatter_rows``."""
+        """encode(x) with row t stored into row dest_rows[t, d] of each dests[d]: the direct dispatch's
+        push into every rank's receive buffer. Default: encode, then ``ops.scatter_rows``.
+
+        x: float32/bfloat16/float16 [T, H]; dests: 1 to 8 uint8 tensors [R_d, row_bytes(H)] with
+        back-to-back rows; dest_rows: int64 [T, len(dests)] on x's device (negative or >= R_d:
+        skipped). Writes in place and returns None; other rows of the destinations are untouched."""
         ops.scatter_rows(self.encode(x), dests, dest_rows)
 
     def decode(self, rows: torch.Tensor, hidden: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
