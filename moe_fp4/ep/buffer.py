@@ -30,7 +30,15 @@ import torch
 
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
-from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, send_keys, start_offsets
+from moe_fp4.ep.layout import (
+    DispatchLayout,
+    check_experts,
+    check_topk_idx,
+    dispatch_layout,
+    send_keys,
+    start_offsets,
+    token_and_rank,
+)
 from moe_fp4.ep.payloads import (
     PAYLOAD_IDS,
     BF16Payload,
@@ -422,7 +430,7 @@ class Buffer:
         t, k = topk_idx.shape
         n_send, n_recv, n_rows = sum(send_counts), sum(recv_counts), sum(tokens_per_expert)
         keys = send_keys(layout, n_send)  # rank * T + token of each sent row, in send order
-        send_token, send_rank = (keys % t, keys // t) if t else (keys, keys)
+        send_token, send_rank = token_and_rank(keys, t)
         # metadata rows, int32 [n_send, 2k + 1]: local expert ids (-1: not on that rank), the weights'
         # bits, the token's index in this batch
         ids = topk_idx.to(torch.int64).index_select(0, send_token)

@@ -100,11 +100,7 @@ def send_order(layout: DispatchLayout, num_send: int) -> tuple[torch.Tensor, tor
     ascending order within a rank. num_send = layout.num_tokens_per_rank.sum() (known on the host).
 
     Returns (token int64 [num_send], rank int64 [num_send]); no host synchronisation."""
-    keys = send_keys(layout, num_send)
-    t = layout.is_token_in_rank.shape[0]
-    if t == 0:
-        return keys, keys.clone()
-    return keys % t, keys // t
+    return token_and_rank(send_keys(layout, num_send), layout.is_token_in_rank.shape[0])
 
 
 def send_keys(layout: DispatchLayout, num_send: int) -> torch.Tensor:
@@ -117,7 +113,16 @@ def send_keys(layout: DispatchLayout, num_send: int) -> torch.Tensor:
     return torch.sort(key.reshape(-1)).values[:num_send]
 
 
-__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "send_keys", "check_topk_idx", "check_experts"]
+def token_and_rank(keys: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys int64 [n] of the form rank * num_tokens + token (``send_keys``) -> (token int64 [n],
+    rank int64 [n])."""
+    if num_tokens == 0:  # (then there are no keys)
+        return keys, keys.clone()
+    return keys % num_tokens, keys // num_tokens
+
+
+__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "send_keys", "token_and_rank", "check_topk_idx",
+           "check_experts"]
 
 
 def start_offsets(counts: list[int]) -> list[int]:
