@@ -679,6 +679,14 @@ def test_scatter_rows_and_errors():
     for args, what in bad:
         with pytest.raises(ValueError, match=what):
             ops.scatter_rows(*args)
+    x, one = torch.randn(30, 64), rows[:, :1].contiguous()
     with pytest.raises(ValueError, match="dests"):
-        ops.quantize_mxfp4_rows_multi(torch.randn(30, 64), [torch.zeros(30, 20, dtype=torch.uint8)], rows[:, :1])
+        ops.quantize_mxfp4_rows_multi(x, [torch.zeros(30, 20, dtype=torch.uint8)], one)
+    fits = [torch.zeros(30, 34, dtype=torch.uint8)]
+    for kwargs, what in (({"bulk_stores": 1}, "bulk_stores"), ({"scale_rounding": "nearest"}, "scale_rounding")):
+        with pytest.raises(ValueError, match=what):
+            ops.quantize_mxfp4_rows_multi(x, fits, one, **kwargs)
+    with pytest.raises(ValueError, match="bulk_stores"):
+        ops.quantize_fp8_blockwise_rows_multi(torch.randn(30, 128), [torch.zeros(30, 132, dtype=torch.uint8)], one,
+                                              bulk_stores="yes")
 
