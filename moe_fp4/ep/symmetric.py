@@ -165,25 +165,22 @@ class _DirectPlan(dict):
         self[key] = value = build()
         return value
 
-    def _fill_ranks(self, counts: list[int]) -> torch.Tensor:
-        """int64 [sum(counts)]: rank r repeated counts[r] times (fills: no host-to-device copy)."""
+    def _fill_blocks(self, counts: list[int], values=None) -> torch.Tensor:
+        """int64 [sum(counts)]: values[r] (default r) repeated counts[r] times (fills: no host-to-device
+        copy, which would synchronise)."""
         out = torch.empty(sum(counts), dtype=torch.int64, device=self.handle.send_token.device)
         for r, (start, n) in enumerate(zip(start_offsets(counts), counts)):
             if n:
-                out[start:start + n].fill_(r)
+                out[start:start + n].fill_(r if values is None else values[r])
         return out
 
     def _recv_rank(self):
-        return self._fill_ranks(self.handle.recv_counts)
+        return self._fill_blocks(self.handle.recv_counts)
 
     def _recv_chunk(self):
         # chunk of a received row: its token's slice at the source, tokens [ceil(cT/C), ceil((c+1)T/C))
         h = self.handle
-        sizes = [max(n, 1) for n in h.peer_num_tokens]
-        src_tokens = torch.empty(h.num_recv_tokens, dtype=torch.int64, device=h.send_token.device)
-        for start, n, size in zip(start_offsets(h.recv_counts), h.recv_counts, sizes):
-            if n:
-                src_tokens[start:start + n].fill_(size)
+        src_tokens = self._fill_blocks(h.recv_counts, [max(n, 1) for n in h.peer_num_tokens])
         return h.recv_src_token * self.chunks // src_tokens
 
     def _delta(self):
@@ -198,7 +195,7 @@ class _DirectPlan(dict):
         return torch.where(table >= 0, table + self["delta"].unsqueeze(0), table)
 
     def _send_rank(self):
-        return self._fill_ranks(self.handle.send_counts)
+        return self._fill_blocks(self.handle.send_counts)
 
     def _send_peer_row(self):
         n_send = sum(self.handle.send_counts)
@@ -359,4 +356,5 @@ def _pipelined_bf16_combine(backend, y, handle, weights, staging, plan) -> torch
     return out
 
 
-__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows", "push_rows"]
+__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows", "push_rows",
+           "recv_rows_per_rank"]
