@@ -181,14 +181,19 @@ def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
         ops.quantize_mxfp4_rows_multi(x, [dests[0][:, :-1], dests[1]], rows)
 
 
+def _spec_fp8_rows(x):
+    """The spec's FP8 1x128 byte rows of x: uint8 [T, H + H/32] (H E4M3 bytes, then H/128 FP32 scales)."""
+    data, scales = formats.quantize_fp8_blockwise(x, block=(1, formats.FP8_GROUP))
+    return torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+
+
 @pytest.mark.parametrize("bulk", [True, False])
 @pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 128, False), (300, 2048, False)])
 def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
     """FP8 1x128 byte rows [E4M3 | FP32 scales] to several destinations equal the spec's, in every
     destination that takes the token (shared-memory staging above 48 KB at 8 warps for H = 7168)."""
     x = _float_input(t, h, torch.bfloat16)
-    data, scales = formats.quantize_fp8_blockwise(x, block=(1, formats.FP8_GROUP))
-    want = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+    want = _spec_fp8_rows(x)
     for num in (1, 2, 8):
         caps = [t + 2 * d for d in range(num)]
         rows = _destination_rows(t, caps, dense)
@@ -200,8 +205,7 @@ def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
         _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations, bulk={bulk}")
     # float32 input: quantize, then the push
     xf = _float_input(64, h, torch.float32)
-    data, scales = formats.quantize_fp8_blockwise(xf, block=(1, formats.FP8_GROUP))
-    want = torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
+    want = _spec_fp8_rows(xf)
     rows = _destination_rows(64, [64, 66], False)
     dests = [torch.full((c, want.shape[1]), 3, dtype=torch.uint8, device="cuda") for c in (64, 66)]
     ops.quantize_fp8_blockwise_rows_multi(xf, dests, rows)
