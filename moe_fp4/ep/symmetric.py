@@ -94,8 +94,10 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         return g
 
     def ensure_capacity(self, nbytes: int) -> None:
-        """Collective: every rank must call it with the same ``nbytes`` (computed from shared counts)."""
-        if nbytes <= self.capacity:
+        """Collective: every rank must call it with the same ``nbytes`` (computed from shared counts).
+        The first call allocates even for nbytes 0 (a dispatch in which no row moves still needs the
+        buffer's barriers and peer views)."""
+        if nbytes <= self.capacity and self._handle is not None:
             return
         size = max(nbytes, 2 * self.capacity, _MIB)
         size = -(-size // _MIB) * _MIB
