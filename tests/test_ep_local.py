@@ -592,6 +592,36 @@ def test_push_rows_land_in_peer_buffers(payload):
             assert barriers == [0, 1, 0, 1], barriers
 
 
+class _FakeSymmHandle:
+    """torch symmetric memory's rendezvous handle for a world of one, on CPU: barriers are recorded."""
+
+    def __init__(self, buf):
+        self.buffer_ptrs, self.barriers = [buf.data_ptr()], []
+
+    def barrier(self, channel, timeout_ms=None):
+        self.barriers.append(channel)
+
+
+def test_symm_backend_allocates_on_first_use_when_no_row_moves():
+    """SymmetricMemoryBackend (its allocation over a fake symmetric-memory module, a world of one):
+    a push dispatch in which no token goes anywhere still gets a buffer for its barriers."""
+    from types import SimpleNamespace
+
+    from moe_fp4.ep.symmetric import SymmetricMemoryBackend, push_rows
+
+    backend = SymmetricMemoryBackend.__new__(SymmetricMemoryBackend)  # (its __init__ needs NCCL)
+    backend.__dict__.update(rank=0, world_size=1, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, chunks=1, push=True)
+    backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
+                                    rendezvous=lambda buf, group: _FakeSymmHandle(buf))
+    x = torch.randn(6, 64)
+    handle = Buffer(2).dispatch(x, torch.full((6, 2), -1)).handle
+    codec = get_payload("mxfp4")
+    recv = push_rows(backend, x, codec, handle)
+    assert recv.shape == (0, codec.row_bytes(64)) and backend.capacity > 0
+    assert backend._handle.barriers == [0, 1]
+
+
 # ------------------------------------------------------------------------------------------------
 # Multi-destination row ops (the push dispatch's kernels; their spec fallback here, native on GPU in
 # tests/test_kernels_gpu.py)
