@@ -231,8 +231,10 @@ def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
 
 
 def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
-    """The payload exchange of a dispatch: x [T, H] -> received rows uint8 [n_recv, row_bytes],
-    grouped by source rank, the same bytes as the all-to-all path."""
+    """The payload exchange of a dispatch: x float [T, H] -> received rows uint8 [n_recv, row_bytes],
+    grouped by source rank, the same bytes as the all-to-all path. ``push_rows`` when the backend
+    pushes (``push`` and ``chunks == 1``); otherwise each rank pulls the rows out of the senders'
+    staging buffers, in ``chunks`` slices for a row-wise codec."""
     if getattr(backend, "push", False) and backend.chunks == 1:
         return push_rows(backend, x, codec, handle)
     width = codec.row_bytes(x.shape[1])
