@@ -5,8 +5,8 @@
   backends   all_to_all_single over a process group (NCCL on CUDA, gloo on CPU), or one process
   symmetric  backend="symm" over torch symmetric memory (NCCL stays the default): the dispatch
              pushes each token's encoded row straight into every receiver's buffer over NVLink
-             (one fused encode-and-store kernel per payload), combine sums partials read out of
-             the peers' buffers (Triton)
+             (mxfp4, fp8: one fused encode-and-store kernel; bf16: one row push; nvfp4: the encode,
+             then the push), combine sums partials read out of the peers' buffers (Triton)
   buffer     Buffer.dispatch / Buffer.combine with a reusable handle
   autograd   dispatch_with_grad / combine_with_grad (BF16 or FP8 gradients)
   bench      `python -m moe_fp4 bench dispatch`
