@@ -110,6 +110,12 @@ def _mode(mode):
     return (1, True) if mode == "push" else (int(mode[4:]), False)
 
 
+def _check_mode(buf, mode):
+    """A push dispatch that could not address the peers' buffers falls back to pulling (with a
+    warning): the push cases must really have pushed."""
+    assert buf.backend.push == (mode == "push"), f"{mode}: the backend's push is {buf.backend.push} after a dispatch"
+
+
 def _same_outputs(got, ref, what):
     assert_bitwise_equal(got.recv_rows, ref.recv_rows, f"{what}: received rows")
     assert_bitwise_equal(got.rows, ref.rows, f"{what}: expert rows")
@@ -148,6 +154,7 @@ def case_symm_matches_nccl(ctx, seed, payload, mode, scenario):
         ref = nccl.dispatch(x, idx, w, return_fp8=True)
     _same_outputs(nccl.dispatch(x, idx, w, return_fp8=True), ref, f"{payload} NCCL dispatch with Triton")
     got = symm.dispatch(x, idx, w, return_fp8=True)
+    _check_mode(symm, mode)
     _same_outputs(got, ref, f"{payload} full dispatch")
     for _ in range(2):  # cached dispatches reuse the staging buffer behind the barriers
         _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"{payload} cached dispatch")
@@ -174,6 +181,7 @@ def case_symm_large(ctx, seed, mode):
     ref = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w, return_fp8=True)
     symm = _symm_buffer(ctx, n_exp, "mxfp4", *_mode(mode))
     got = symm.dispatch(x, idx, w, return_fp8=True)
+    _check_mode(symm, mode)
     _same_outputs(got, ref, "mxfp4 hidden 7168")
     for _ in range(2):  # cached: the peers' rows land in this rank's buffer again behind the barriers
         _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "mxfp4 hidden 7168, cached")
@@ -198,6 +206,7 @@ def case_symm_sync_budget(ctx, seed, mode):
     w = torch.rand(64, 3, generator=g).to(dev)
     buf = _symm_buffer(ctx, 8, "mxfp4", *_mode(mode))
     out = buf.dispatch(x, idx, w, return_fp8=True)  # warm up: staging allocation, kernels, index plan
+    _check_mode(buf, mode)
     y = out.values()
     buf.combine(y, out.handle)
     torch.cuda.synchronize()
