@@ -2,7 +2,8 @@
 # The whole GPU check in one call on a 2-GPU machine: the kernel script (build, kernel GPU tests,
 # compute-sanitizer, kernel benchmark), then every other GPU and multi-GPU test of the suite (those of
 # the expert-parallel layer only with EP_TESTS=1), the external comparison with torchao (a wheel in
-# .whl/) and the activation-cache benchmark. Logs to $OUT (default ./.out, at most 8 files).
+# .whl/; a transformers wheel there is used too) and the activation-cache benchmark. Logs to $OUT (default
+# ./.out, at most 8 files). tests/test_recipes_gpu.py needs about 270 s on an H200 (LIMIT_RECIPES, default 360).
 #   bash benchmarks/run_gpu_lead.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,7 @@ files=(tests/test_formats_gpu.py tests/test_moe_cache.py tests/test_patches_hf.p
 [ "${EP_TESTS:-0}" = 1 ] && files+=(tests/test_ep_gpu.py)
 { timeout "${LIMIT_OTHER:-120}" python3 -m pytest -v -p no:cacheprovider -rs -m "gpu or multigpu" "${files[@]}" 2>&1
   echo "rc=$?"
-  timeout "${LIMIT_RECIPES:-200}" python3 -m pytest -v -p no:cacheprovider -rs --durations=10 tests/test_recipes_gpu.py 2>&1
+  timeout "${LIMIT_RECIPES:-360}" python3 -m pytest -v -p no:cacheprovider -rs --durations=10 tests/test_recipes_gpu.py 2>&1
   echo "rc=$?"; } | grep -vE "^$|^platform|^rootdir|^configfile|^plugins|^cachedir|^collect" >"$OUT/tests_other.log"
 grep -E "passed|failed|rc=" "$OUT/tests_other.log" | tail -6
 
