@@ -479,6 +479,25 @@ def meta_of(args, device, root, nfiles, nbytes, argv) -> dict:
     }
 
 
+_RUN_KEYS = ("device", "torch", "python", "stdlib", "files", "bytes", "steps", "model", "tokens_per_step", "lr",
+             "gemm_dtype", "quantizer", "eval_batches")
+
+
+def describe_runs_read(meta: dict, runs: list[dict]) -> None:
+    """For --report-only: the run fields of ``meta`` (device, steps, model, dates, seeds, ...) taken from
+    the metadata of the files read, joined with " / " where they differ, instead of this process's."""
+    parts = meta.get("workers", [])
+    for key in _RUN_KEYS:
+        values = list(dict.fromkeys(str(m[key]) for m in parts if key in m))
+        if values:
+            meta[key] = next(m[key] for m in parts if key in m) if len(values) == 1 else " / ".join(values)
+    dates = sorted({m["date_utc"] for m in parts if "date_utc" in m})
+    if dates:
+        meta["report_date_utc"] = meta["date_utc"]
+        meta["date_utc"] = " and ".join(dates)
+    meta["seeds"] = sorted({r["seed"] for r in runs})
+
+
 def main(argv=None) -> int:
     args = parse(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -503,6 +522,8 @@ def main(argv=None) -> int:
             part = json.loads(f.read_text())
             runs += part["runs"]
             meta.setdefault("workers", []).append(part["meta"])
+        if args.report_only:  # describe the runs read, not this process
+            describe_runs_read(meta, runs)
         write_report(runs, meta, args.out)
         return 0
 
