@@ -83,7 +83,21 @@ def timed(fn, warmup: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def bench_layer(recipe, m, n, k, warmup, reps):
+def profile_table(fn, rows: int = 15) -> str:
+    """torch.profiler table of one call of fn (after the timed calls, so nothing compiles), the
+    operators sorted by their own GPU time (CPU time off a GPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if DEVICE == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if DEVICE == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
+
+def bench_layer(recipe, m, n, k, warmup, reps, profile_out: list | None = None):
     if recipe is None:
         layer = torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16)
     else:
@@ -100,7 +114,10 @@ def bench_layer(recipe, m, n, k, warmup, reps):
         layer.weight.grad = None
         layer(x).backward(g)
 
-    return timed(fwd, warmup, reps), timed(fwd_bwd, warmup, reps)
+    times = timed(fwd, warmup, reps), timed(fwd_bwd, warmup, reps)
+    if profile_out is not None:
+        profile_out.append(profile_table(fwd_bwd))
+    return times
 
 
 def bench_gemm_only(m, n, k, warmup, reps):
@@ -177,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="smoke run on the CPU (no real FP8 GEMM there)")
     p.add_argument("--no-eager", action="store_true", help="skip the eager-quantizer rows")
     p.add_argument("--probe-layouts", action="store_true", help="only the raw torch._scaled_mm layout probe")
+    p.add_argument("--profile", action="store_true",
+                   help="a torch.profiler table of one forward+backward of every row (bench_quantlinear_profile.md)")
     p.add_argument("--only", default="", help="comma-separated substrings: keep the recipe rows whose label "
                    "contains one of them (nn.Linear bf16 always runs)")
     args = p.parse_args(argv)
@@ -199,6 +218,7 @@ def main(argv=None) -> int:
     print("real vs emulated FP8 blockwise:", results["real_vs_emulated_rel_err"], flush=True)
     lines = ["| M x N x K | recipe | fwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | vs nn.Linear bf16 (fwd+bwd) |",
              "|---|---|---|---|---|---|"]
+    profiles: list[str] = []
     for shape in args.shapes.split(","):
         m, n, k = (int(v) for v in shape.split("x"))
         flops = 2.0 * m * n * k
@@ -208,7 +228,10 @@ def main(argv=None) -> int:
             if rec is not None and keep and not any(w in label for w in keep):
                 continue
             try:
-                f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps)
+                prof = [] if args.profile else None
+                f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps, prof)
+                if prof:
+                    profiles.append(f"### {shape} {label}: one forward+backward\n\n```\n{prof[0]}\n```\n")
             except Exception as err:  # noqa: BLE001 - report whatever the layer raised
                 msg = " ".join(str(err).split())[:300] or type(err).__name__
                 print(f"{shape} {label} failed: {msg}", flush=True)
@@ -243,6 +266,8 @@ def main(argv=None) -> int:
     results["compiled_status"] = {k: (v if v is True else str(v)) for k, v in compiled_status().items()}
     text = "\n".join(lines) + "\n\n" + "\n".join(gl) + "\n"
     (args.out / "bench_quantlinear.md").write_text(text)
+    if profiles:
+        (args.out / "bench_quantlinear_profile.md").write_text("\n".join(profiles))
     (args.out / "bench_quantlinear.json").write_text(json.dumps(results, indent=1))
     print(text, flush=True)
     return 0
