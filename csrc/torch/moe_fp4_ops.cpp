@@ -165,8 +165,10 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
     MOE_FP4_CHECK_DTYPE(t, at::kByte, "dests");
     MOE_FP4_CHECK_DIM(t, 2, "dests");
     TORCH_CHECK(t.size(1) == width, "dests: expected ", width, " bytes per row, got ", t.size(1), " in dests[", i, "]");
-    TORCH_CHECK(t.size(0) <= 1 || (t.stride(0) == width && t.stride(1) == 1),
-                "dests: expected back-to-back rows, got strides ", t.strides(), " in dests[", i, "]");
+    // each row is stored as one contiguous run, rows back to back (a single row needs contiguous bytes too)
+    TORCH_CHECK(t.size(0) == 0 || (t.stride(1) == 1 && (t.size(0) == 1 || t.stride(0) == width)),
+                "dests: expected back-to-back rows of contiguous bytes, got strides ", t.strides(), " in dests[", i,
+                "]");
     d.base[i] = t.data_ptr<uint8_t>();
     d.capacity[i] = t.size(0);
   }
