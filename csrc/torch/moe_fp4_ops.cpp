@@ -178,22 +178,31 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
   return d;
 }
 
+// The parameters the multi-destination quantizers share: bfloat16 rows x [T, H] and their byte rows of
+// `width` bytes stored into every destination that takes them.
+template <typename Params>
+Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows, int64_t width,
+                         bool bulk) {
+  Params p{};
+  p.dests = row_destinations(dests, dest_rows, x, x.size(0), width);
+  p.dests.bulk = bulk;
+  p.x = x.data_ptr();
+  p.x_type = moe_fp4::FloatInput::kBFloat16;
+  p.x_stride = x.stride(0);
+  p.tokens = x.size(0);
+  p.hidden = static_cast<int>(x.size(1));
+  return p;
+}
+
 // x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it (bulk:
 // by the copy engine where the addresses allow it, else by 16-byte stores).
 void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector<Tensor>& dests,
                                const Tensor& dest_rows, bool bulk) {
   check_float_rows(x, 32);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
-  const int64_t t = x.size(0), h = x.size(1);
+  const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  moe_fp4::QuantizeMxfp4Params p{};
-  p.dests = row_destinations(dests, dest_rows, x, t, h / 2 + h / 32);
-  p.dests.bulk = bulk;
-  p.x = x.data_ptr();
-  p.x_type = moe_fp4::FloatInput::kBFloat16;
-  p.x_stride = x.stride(0);
-  p.tokens = t;
-  p.hidden = static_cast<int>(h);
+  auto p = multi_rows_params<moe_fp4::QuantizeMxfp4Params>(x, dests, dest_rows, h / 2 + h / 32, bulk);
   p.round_up = round_up;
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows_multi");
 }
@@ -204,16 +213,9 @@ void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor
                                        bool bulk) {
   check_float_rows(x, 128);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
-  const int64_t t = x.size(0), h = x.size(1);
+  const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  moe_fp4::QuantizeFp8Params p{};
-  p.dests = row_destinations(dests, dest_rows, x, t, h + 4 * (h / 128));
-  p.dests.bulk = bulk;
-  p.x = x.data_ptr();
-  p.x_type = moe_fp4::FloatInput::kBFloat16;
-  p.x_stride = x.stride(0);
-  p.tokens = t;
-  p.hidden = static_cast<int>(h);
+  const auto p = multi_rows_params<moe_fp4::QuantizeFp8Params>(x, dests, dest_rows, h + 4 * (h / 128), bulk);
   check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()),
                "quantize_fp8_blockwise_rows_multi");
 }
