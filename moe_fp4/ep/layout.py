@@ -121,10 +121,6 @@ def token_and_rank(keys: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, t
     return keys % num_tokens, keys // num_tokens
 
 
-__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "send_keys", "token_and_rank", "check_topk_idx",
-           "check_experts"]
-
-
 def start_offsets(counts: list[int]) -> list[int]:
     """Host ints: where each of ``counts``' blocks starts when they are laid back to back."""
     out, acc = [], 0
@@ -132,3 +128,7 @@ def start_offsets(counts: list[int]) -> list[int]:
         out.append(acc)
         acc += c
     return out
+
+
+__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "send_keys", "start_offsets", "token_and_rank",
+           "check_topk_idx", "check_experts"]
