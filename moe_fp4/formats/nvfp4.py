@@ -83,13 +83,13 @@ def quantize_nvfp4(
     if block_2d:
         check_multiple(xf.shape[-2], NVFP4_BLOCK, "x", "second-to-last dimension")
     finite = torch.isfinite(xf)
-    if global_amax is None:  # the largest finite |x|: finite and non-negative by construction
+    given = global_amax is not None  # else the largest finite |x|: finite and non-negative by construction
+    if not given:
         global_amax = torch.where(finite, xf.abs(), torch.zeros_like(xf)).amax() if xf.numel() else 0.0
-        gamax = torch.as_tensor(global_amax, dtype=torch.float32, device=xf.device)
-    else:
-        gamax = torch.as_tensor(global_amax, dtype=torch.float32, device=xf.device)
-        if gamax.numel() != 1 or (value_checks() and (not bool(torch.isfinite(gamax).all()) or float(gamax) < 0)):
-            raise ValueError(f"global_amax: expected one finite non-negative value, got {global_amax!r}")
+    gamax = torch.as_tensor(global_amax, dtype=torch.float32, device=xf.device)
+    if given and (gamax.numel() != 1 or value_checks() and (not bool(torch.isfinite(gamax).all())
+                                                            or float(gamax) < 0)):
+        raise ValueError(f"global_amax: expected one finite non-negative value, got {global_amax!r}")
     gs = nvfp4_global_scale(gamax.reshape(()))
     blocks = _blocks(xf, block_2d)
     nonfinite = ~_blocks(finite, block_2d).all(dim=-1)
