@@ -118,6 +118,25 @@ struct QuantizeFp8Params {
 };
 cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
 
+// FP8 blockwise along both axes in one pass (the operands of a linear layer's real FP8 GEMMs):
+// x [M, K] -> row-major E4M3 [M, K] and/or the transpose E4M3 [K, ld_t], ld_t = M rounded up to 128
+// (rows of x past M read as zeros). Rows mode: 1x128 groups along each axis; tiles mode: one scale per
+// 128x128 tile (M a multiple of 128), the transpose's scales being the transpose of out_scales.
+struct QuantizeFp8TwoAxisParams {
+  const void* x;             // float32/bfloat16 [M, K] (row stride x_stride elements, 16-byte aligned rows)
+  FloatInput x_type;         // kFloat32 or kBFloat16
+  long long x_stride;
+  long long rows;            // M (at most 65535 * 128)
+  long long cols;            // K, a multiple of 128
+  bool tiles;                // false: rows mode; true: tiles mode
+  uint8_t* out;              // float8_e4m3fn [M, K], or nullptr (rows mode: no row-major copy)
+  float* out_scales;         // rows mode float32 [M, K/128]; tiles mode [M/128, K/128]
+  uint8_t* out_t;            // float8_e4m3fn [K, ld_t], or nullptr (no transposed copy)
+  float* out_t_scales;       // rows mode float32 [K, ld_t/128] (tiles mode: unused)
+  long long ld_t;            // M rounded up to a multiple of 128
+};
+cudaError_t launch_quantize_fp8_2d(const QuantizeFp8TwoAxisParams& p, cudaStream_t stream);
+
 // MXFP4 -> BF16: packed [N, H/2] + scales [N, H/32] -> bfloat16 [N, H] (the spec's dequantize_mxfp4
 // in float32, then cast).
 struct DequantizeMxfp4Params {

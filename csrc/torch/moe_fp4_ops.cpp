@@ -367,6 +367,58 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(const Tensor& x) {
   return {out, out_scales};
 }
 
+// The two-axis quantizer's shared checks and parameters (x float32/bfloat16 [M, K], K % 128 == 0).
+moe_fp4::QuantizeFp8TwoAxisParams two_axis_params(const Tensor& x, const char* name, bool tiles) {
+  check_float_rows(x, 128);
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, name,
+              ": expected dtype float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(0) <= int64_t(65535) * 128, name, ": at most ", int64_t(65535) * 128, " rows, got ", x.size(0));
+  TORCH_CHECK(!tiles || x.size(0) % 128 == 0, name, ": first dimension (", x.size(0), ") must be a multiple of 128");
+  moe_fp4::QuantizeFp8TwoAxisParams p{};
+  p.x = x.data_ptr();
+  p.x_type = float_input(x);
+  p.x_stride = x.stride(0);
+  p.rows = x.size(0);
+  p.cols = x.size(1);
+  p.tiles = tiles;
+  p.ld_t = (x.size(0) + 127) / 128 * 128;
+  return p;
+}
+
+// x [M, K] float32/bfloat16, K % 128 == 0 -> (e4m3 [M, K], float32 [M, K/128], e4m3 [K, Mp], float32 [K, Mp/128])
+// with Mp = M rounded up to 128: the 1x128 quantization of x and of x^T zero-padded to Mp columns.
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_rows_cols(const Tensor& x) {
+  moe_fp4::QuantizeFp8TwoAxisParams p = two_axis_params(x, "x", false);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t m = x.size(0), k = x.size(1);
+  Tensor out = at::empty({m, k}, x.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({m, k / 128}, x.options().dtype(at::kFloat));
+  Tensor out_t = at::empty({k, p.ld_t}, x.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_t_scales = at::empty({k, p.ld_t / 128}, x.options().dtype(at::kFloat));
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.out_t = reinterpret_cast<uint8_t*>(out_t.data_ptr());
+  p.out_t_scales = out_t_scales.data_ptr<float>();
+  check_launch(moe_fp4::launch_quantize_fp8_2d(p, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_rows_cols");
+  return {out, out_scales, out_t, out_t_scales};
+}
+
+// w [N, K] float32/bfloat16, N and K multiples of 128 -> (e4m3 [N, K], float32 [N/128, K/128], e4m3 [K, N]):
+// the 128x128 quantization of w and its transpose ([0, N] when transpose is false).
+std::tuple<Tensor, Tensor, Tensor> quantize_fp8_tiles(const Tensor& w, bool transpose) {
+  moe_fp4::QuantizeFp8TwoAxisParams p = two_axis_params(w, "w", true);
+  const c10::cuda::CUDAGuard guard(w.device());
+  const int64_t n = w.size(0), k = w.size(1);
+  Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({n / 128, k / 128}, w.options().dtype(at::kFloat));
+  Tensor out_t = at::empty({transpose ? k : 0, n}, w.options().dtype(at::kFloat8_e4m3fn));
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.out_t = transpose ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
+  check_launch(moe_fp4::launch_quantize_fp8_2d(p, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_tiles");
+  return {out, out_scales, out_t};
+}
+
 // packed uint8 [N, H/2], scales uint8 [N, H/32] -> bfloat16 [N, H].
 Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   check_packed_scales(packed, scales);
@@ -412,6 +464,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
         py::arg("two_pass"));
   m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
+  m.def("quantize_fp8_rows_cols", &quantize_fp8_rows_cols, "float [M,K] -> FP8 1x128 of x and of x^T (padded)",
+        py::arg("x"));
+  m.def("quantize_fp8_tiles", &quantize_fp8_tiles, "float [N,K] -> FP8 128x128 (+ its transpose)", py::arg("w"),
+        py::arg("transpose"));
   m.def("dequantize_mxfp4_bf16", &dequantize_mxfp4_bf16, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
         py::arg("scales"));
 }

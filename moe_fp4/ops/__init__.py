@@ -14,6 +14,9 @@ custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile t
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
   mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
   quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
+  quantize_fp8_rows_cols       float [M, K] -> FP8 1x128 of x and of x^T in one pass (the GEMM operands of
+                               an activation or gradient: fprop/dgrad rows, wgrad columns)
+  quantize_fp8_tiles           float [N, K] -> FP8 128x128 of a weight and its transpose in one pass
   dequantize_mxfp4             MXFP4 [..., H/2] + UE8M0 [..., H/32] -> bfloat16 (or float32/float16) [..., H]
   native_available, build      the extension: whether it is usable here; build/load it
 
@@ -56,6 +59,8 @@ __all__ = [
     "native_available",
     "quantize_fp8_blockwise",
     "quantize_fp8_blockwise_rows_multi",
+    "quantize_fp8_rows_cols",
+    "quantize_fp8_tiles",
     "quantize_mxfp4",
     "quantize_mxfp4_rows",
     "quantize_mxfp4_rows_multi",
@@ -365,6 +370,49 @@ def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """
     _float_rows(x, formats.FP8_GROUP)
     return _ops.quantize_fp8_blockwise_op(x)
+
+
+def _two_axis(x, name, tiles):
+    _tensor(x, name, (torch.float32, torch.bfloat16), 2)
+    group = formats.FP8_GROUP
+    for dim in ((0, 1) if tiles else (1,)):
+        if x.shape[dim] % group:
+            raise ValueError(f"{name}: dimension {dim} ({x.shape[dim]}) must be a multiple of {group}")
+    if x.shape[0] > 65535 * group:
+        raise ValueError(f"{name}: at most {65535 * group} rows, got {x.shape[0]}")
+    rows_apart = x.stride(0) * x.element_size() if x.shape[0] > 1 else 0
+    if x.is_cuda and (x.stride(1) != 1 or x.data_ptr() % 16 or rows_apart % 16):
+        x = x.contiguous()
+    return x
+
+
+def quantize_fp8_rows_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 1x128 of x along both axes, reading x once: the operands an activation or gradient feeds
+    to a linear layer's GEMMs (rows: fprop / dgrad; columns: wgrad, where the tokens are reduced).
+
+    x: bfloat16/float32 [M, K], K a multiple of 128, any M (any strides; copied when the rows are not
+      16-byte aligned with a contiguous last dimension).
+    Returns (data float8_e4m3fn [M, K], scales float32 [M, K/128], data_t float8_e4m3fn [K, Mp],
+    scales_t float32 [K, Mp/128]) with Mp = M rounded up to a multiple of 128: the same bits as
+    formats.quantize_fp8_blockwise(x) and formats.quantize_fp8_blockwise(x^T zero-padded to Mp columns).
+    """
+    x = _two_axis(x, "x", False)
+    return _ops.quantize_fp8_rows_cols_op(x)
+
+
+def quantize_fp8_tiles(w: torch.Tensor, *, transpose: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FP8 128x128 of a weight and, in the same pass, its transpose (the dgrad operand: the tile
+    quantization of w^T is the transpose of w's, with the transposed scales).
+
+    w: bfloat16/float32 [N, K], N and K multiples of 128.
+    Returns (data float8_e4m3fn [N, K], scales float32 [N/128, K/128], data_t float8_e4m3fn [K, N]
+    (contiguous; [0, N] when ``transpose`` is False)): data and scales are the bits of
+    formats.quantize_fp8_blockwise(w, block=(128, 128)), data_t is data transposed.
+    """
+    w = _two_axis(w, "w", True)
+    if not isinstance(transpose, bool):
+        raise ValueError(f"transpose: expected a bool, got {transpose!r}")
+    return _ops.quantize_fp8_tiles_op(w, transpose)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

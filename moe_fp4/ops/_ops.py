@@ -269,6 +269,50 @@ def _(x):
     return x.new_empty((t, h), dtype=FP8), x.new_empty((t, h // formats.FP8_GROUP), dtype=torch.float32)
 
 
+def _padded_rows(m: int) -> int:
+    return -(-m // formats.FP8_GROUP) * formats.FP8_GROUP
+
+
+@torch.library.custom_op(f"{LIB}::quantize_fp8_rows_cols", mutates_args=())
+def quantize_fp8_rows_cols_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_for(x):
+        return _native.module().quantize_fp8_rows_cols(x)
+    group = (1, formats.FP8_GROUP)
+    data, scales = formats.quantize_fp8_blockwise(x, block=group)
+    x_t = torch.nn.functional.pad(x.t(), (0, _padded_rows(x.shape[0]) - x.shape[0]))
+    data_t, scales_t = formats.quantize_fp8_blockwise(x_t, block=group)
+    return data, scales, data_t, scales_t
+
+
+@quantize_fp8_rows_cols_op.register_fake
+def _(x):
+    m, k = x.shape
+    mp = _padded_rows(m)
+    g = formats.FP8_GROUP
+    return (x.new_empty((m, k), dtype=FP8), x.new_empty((m, k // g), dtype=torch.float32),
+            x.new_empty((k, mp), dtype=FP8), x.new_empty((k, mp // g), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{LIB}::quantize_fp8_tiles", mutates_args=())
+def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if _native_for(w):
+        return _native.module().quantize_fp8_tiles(w, transpose)
+    data, scales = formats.quantize_fp8_blockwise(w, block=(formats.FP8_GROUP, formats.FP8_GROUP))
+    if transpose:
+        data_t = data.view(torch.uint8).t().contiguous().view(FP8)
+    else:
+        data_t = data.new_empty((0, w.shape[0]))
+    return data, scales, data_t
+
+
+@quantize_fp8_tiles_op.register_fake
+def _(w, transpose):
+    n, k = w.shape
+    g = formats.FP8_GROUP
+    return (w.new_empty((n, k), dtype=FP8), w.new_empty((n // g, k // g), dtype=torch.float32),
+            w.new_empty((k if transpose else 0, n), dtype=FP8))
+
+
 @torch.library.custom_op(f"{LIB}::dequantize_mxfp4", mutates_args=())
 def dequantize_mxfp4_op(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if (

@@ -3,6 +3,7 @@
   recipes       the recipe dataclasses and how each operand of fprop / dgrad / wgrad is quantized
   hadamard      the 16x16 random Hadamard transform (one fixed seed) of the wgrad inputs
   quant_linear  QuantLinear (drop-in nn.Linear) and its autograd Function
+  fp8_linear    QuantLinear's real FP8 path for FP8BlockwiseRecipe: each tensor quantized in one pass
   autocast      ``moe_fp4.autocast(recipe)``, ``convert_linears``, ``set_recipe``
   compiled      the operand quantizers (the spec's quantize -> dequantize), compiled on CUDA
 """
@@ -17,6 +18,7 @@ from moe_fp4.recipes.autocast import (
     set_recipe,
 )
 from moe_fp4.recipes.compiled import QUANTIZERS, compiled_status
+from moe_fp4.recipes.fp8_linear import FP8LinearFunction
 from moe_fp4.recipes.hadamard import RHT_SEED, RHT_SIZE, apply_rht, hadamard_matrix, random_hadamard_matrix
 from moe_fp4.recipes.quant_linear import QuantLinear, QuantLinearFunction
 from moe_fp4.recipes.recipes import (
@@ -33,8 +35,8 @@ from moe_fp4.recipes.recipes import (
 
 __all__ = [
     "DEFAULT_HIGH_PRECISION", "GEMM_ROLES", "QUANTIZERS", "RECIPES", "RHT_SEED", "RHT_SIZE",
-    "ConvertReport", "FP8BlockwiseRecipe", "MXFP4Recipe", "MXFP8Recipe", "NVFP4Recipe", "QuantLinear",
-    "QuantLinearFunction", "Recipe",
+    "ConvertReport", "FP8BlockwiseRecipe", "FP8LinearFunction", "MXFP4Recipe", "MXFP8Recipe", "NVFP4Recipe",
+    "QuantLinear", "QuantLinearFunction", "Recipe",
     "apply_rht", "autocast", "compiled_status", "convert_linears", "current_recipe", "find_blocks",
     "fp8_blockwise_scaled_mm", "hadamard_matrix", "random_hadamard_matrix", "scaled_mm_status", "set_recipe",
 ]

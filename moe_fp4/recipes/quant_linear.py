@@ -8,6 +8,10 @@ Which recipe runs: the one of an enclosing ``moe_fp4.autocast(recipe)`` block if
 (``autocast(enabled=False)`` means high precision), else the layer's own ``recipe`` (None: plain
 high-precision ``nn.Linear``). Backward uses the recipe that ran the forward.
 
+With FP8BlockwiseRecipe's real FP8 GEMMs on a GPU, ``moe_fp4.recipes.fp8_linear.FP8LinearFunction``
+runs instead: the same operands (bit for bit) quantized by one-pass native kernels, FP8 copies saved
+for backward instead of x.
+
 Stochastic rounding draws from a per-layer ``torch.Generator`` seeded with ``recipe.seed +
 sr_index``; in backward, dgrad's gradient copy is quantized first, then wgrad's.
 """
@@ -18,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moe_fp4.recipes import fp8_linear
 from moe_fp4.recipes.recipes import Recipe
 
 
@@ -137,8 +142,13 @@ class QuantLinear(nn.Linear):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x: expected last dimension {self.in_features}, got shape {tuple(x.shape)}")
         self.check_recipe(recipe)
-        gen = self.generator(recipe, x.device) if recipe.uses_generator() else None
-        y = QuantLinearFunction.apply(x, self.weight, recipe, gen, _out_dtype(x))
+        if fp8_linear.applies(recipe, x, self.weight):
+            grad = torch.is_grad_enabled()
+            y = fp8_linear.FP8LinearFunction.apply(x, self.weight, recipe, _out_dtype(x),
+                                                   grad and x.requires_grad, grad and self.weight.requires_grad)
+        else:
+            gen = self.generator(recipe, x.device) if recipe.uses_generator() else None
+            y = QuantLinearFunction.apply(x, self.weight, recipe, gen, _out_dtype(x))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

@@ -458,16 +458,21 @@ def _quantize_fp8_operand(quantizer: str, t: torch.Tensor, block: tuple[int, int
     return run_quantizer(quantizer, q_fp8_blockwise, t, None, block)
 
 
-def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool,
-                      quantizer: str = "auto") -> torch.Tensor | None:
-    role_a, role_b = GEMM_ROLES[gemm]
-    block_a, block_b = FP8BlockwiseRecipe.operand_block(role_a), FP8BlockwiseRecipe.operand_block(role_b)
-    key = _layout_key(block_a, block_b, a.shape[1] // FP8_BLOCK)
-    state = _SCALED_MM_STATE.get(key)
-    if isinstance(state, str) and not strict:
+def _layout_refused(key: str, strict: bool) -> bool:
+    """Whether ``torch._scaled_mm`` is known to fail (refuse or miscompute) layout ``key``, so the
+    emulation runs instead (never when ``strict``: then the failure is raised again)."""
+    return isinstance(_SCALED_MM_STATE.get(key), str) and not strict
+
+
+def scaled_mm_checked(da, sa, block_a, db, sb, block_b, gemm: str, strict: bool) -> torch.Tensor | None:
+    """``fp8_blockwise_scaled_mm`` of quantized operands (``da``/``sa`` float8_e4m3fn [R, L] with
+    float32 scales for ``block_a``, ``db``/``sb`` [C, L] for ``block_b``), bfloat16 [R, C]; or None
+    when torch._scaled_mm refuses this layout or its first result differed from the emulation of the
+    same operands (a warning says so once; ``strict``: raise instead). GEMM ``gemm`` names the warning."""
+    key = _layout_key(block_a, block_b, da.shape[1] // FP8_BLOCK)
+    if _layout_refused(key, strict):
         return None
-    da, sa = _quantize_fp8_operand(quantizer, a, block_a)
-    db, sb = _quantize_fp8_operand(quantizer, b, block_b)
+    state = _SCALED_MM_STATE.get(key)
     try:
         out = fp8_blockwise_scaled_mm(da, sa, block_a, db, sb, block_b)
         if state is not True:
@@ -489,6 +494,17 @@ def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool,
         return None
     _SCALED_MM_STATE[key] = True
     return out
+
+
+def _try_scaled_mm_nt(a: torch.Tensor, b: torch.Tensor, gemm: str, strict: bool,
+                      quantizer: str = "auto") -> torch.Tensor | None:
+    role_a, role_b = GEMM_ROLES[gemm]
+    block_a, block_b = FP8BlockwiseRecipe.operand_block(role_a), FP8BlockwiseRecipe.operand_block(role_b)
+    if _layout_refused(_layout_key(block_a, block_b, a.shape[1] // FP8_BLOCK), strict):
+        return None
+    da, sa = _quantize_fp8_operand(quantizer, a, block_a)
+    db, sb = _quantize_fp8_operand(quantizer, b, block_b)
+    return scaled_mm_checked(da, sa, block_a, db, sb, block_b, gemm, strict)
 
 
 RECIPES = (MXFP8Recipe, NVFP4Recipe, MXFP4Recipe, FP8BlockwiseRecipe)
