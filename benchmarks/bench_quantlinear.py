@@ -43,6 +43,9 @@ from moe_fp4.recipes.compiled import compiled_status  # noqa: E402
 PEAK_TFLOPS = {"bf16": 989.0, "fp8": 1979.0}  # H100/H200 SXM dense
 
 
+GENERIC_FP8 = "FP8 blockwise (torch._scaled_mm, per-GEMM quantization)"
+
+
 def cases(eager: bool = True):
     """Row label -> recipe (None: nn.Linear). "compiled": ``quantizer="compiled"`` (NVFP4 too, though
     "auto" keeps it eager; a kind whose first use differs from the eager spec falls back, and the JSON's
@@ -57,6 +60,9 @@ def cases(eager: bool = True):
             f"FP8 blockwise (emulated, {quantizer})": FP8BlockwiseRecipe(backend="emulate", **g),
             f"FP8 blockwise (torch._scaled_mm, {quantizer})": FP8BlockwiseRecipe(backend="scaled_mm", **g),
         })
+    # QuantLinearFunction's per-GEMM operand quantization instead of FP8LinearFunction's one-pass
+    # quantizers (the same bits; what the real FP8 layer ran before them), for comparison
+    out[GENERIC_FP8] = FP8BlockwiseRecipe(backend="scaled_mm", gemm_dtype="bfloat16", quantizer="compiled")
     return out
 
 
@@ -97,7 +103,18 @@ def profile_table(fn, rows: int = 15) -> str:
     return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
 
 
-def bench_layer(recipe, m, n, k, warmup, reps, profile_out: list | None = None):
+def bench_layer(recipe, m, n, k, warmup, reps, profile_out: list | None = None, generic: bool = False):
+    """(forward ms, forward+backward ms) of one layer; ``generic``: QuantLinearFunction even where
+    QuantLinear would take FP8LinearFunction."""
+    if generic:
+        from moe_fp4.recipes import fp8_linear
+
+        applies = fp8_linear.applies
+        fp8_linear.applies = lambda *a: False
+        try:
+            return bench_layer(recipe, m, n, k, warmup, reps, profile_out)
+        finally:
+            fp8_linear.applies = applies
     if recipe is None:
         layer = torch.nn.Linear(k, n, bias=False, device=DEVICE, dtype=torch.bfloat16)
     else:
@@ -141,6 +158,27 @@ def bench_gemm_only(m, n, k, warmup, reps):
     except Exception as err:  # noqa: BLE001
         out["fp8 tensorwise (reference)"] = f"refused: {' '.join(str(err).split())[:200] or type(err).__name__}"
     return out
+
+
+def bench_operand_quantizers(m, n, k, warmup, reps):
+    """The one-pass FP8 operand quantizers of the real FP8 layer (BF16 x [M, K], W [N, K]) against a
+    device copy moving the same bytes (read + write): (label, ms, GB/s, copy GB/s)."""
+    from moe_fp4 import ops
+
+    x = torch.randn(m, k, device=DEVICE, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=DEVICE, dtype=torch.bfloat16)
+    rows = []
+    for label, fn, moved in (
+        ("x -> x, x^T (1x128 each)", lambda: ops.quantize_fp8_rows_cols(x), m * k * (2 + 2 + 8 / 128)),
+        ("W -> W, W^T (128x128)", lambda: ops.quantize_fp8_tiles(w), n * k * (2 + 2)),
+        ("x -> x (1x128, rows only)", lambda: ops.quantize_fp8_blockwise(x), m * k * (2 + 1 + 4 / 128)),
+    ):
+        ms = timed(fn, warmup, reps)
+        half = int(moved // 2)
+        src, dst = (torch.empty(half, dtype=torch.uint8, device=DEVICE) for _ in range(2))
+        copy_ms = timed(lambda d=dst, s_=src: d.copy_(s_), warmup, reps)
+        rows.append((label, ms, moved / ms / 1e6, 2 * half / copy_ms / 1e6))
+    return rows
 
 
 def probe_layouts() -> list[str]:
@@ -229,7 +267,7 @@ def main(argv=None) -> int:
                 continue
             try:
                 prof = [] if args.profile else None
-                f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps, prof)
+                f, fb = bench_layer(rec, m, n, k, args.warmup, args.reps, prof, generic=label == GENERIC_FP8)
                 if prof:
                     profiles.append(f"### {shape} {label}: one forward+backward\n\n```\n{prof[0]}\n```\n")
             except Exception as err:  # noqa: BLE001 - report whatever the layer raised
@@ -245,6 +283,10 @@ def main(argv=None) -> int:
             lines.append(f"| {shape} | {label} | {f:.2f} | {fb:.2f} | {3 * flops / fb / 1e9:.0f} | {ratio} |")
             results["layers"].append({"shape": shape, "recipe": label, "fwd_ms": f, "fwd_bwd_ms": fb})
             print(lines[-1], flush=True)
+        if DEVICE == "cuda":
+            for label, ms, gbs, copy_gbs in bench_operand_quantizers(m, n, k, args.warmup + 2, max(args.reps, 10)):
+                results.setdefault("quantizers", []).append(
+                    {"shape": shape, "op": label, "ms": ms, "gb_s": gbs, "copy_gb_s": copy_gbs})
         g = bench_gemm_only(m, n, k, args.warmup + 2, max(args.reps, 10))
         results["gemm_only"].append({"shape": shape, **g})
         print(shape, g, flush=True)
@@ -264,7 +306,13 @@ def main(argv=None) -> int:
                       f"{row['bf16 matmul'] / ms:.2f}x |")
     results["scaled_mm_status"] = {k: (v if v is True else str(v)) for k, v in scaled_mm_status().items()}
     results["compiled_status"] = {k: (v if v is True else str(v)) for k, v in compiled_status().items()}
+    ql = ["| M x N x K | operand quantizer | us | GB/s | share of a same-size copy |", "|---|---|---|---|---|"]
+    for row in results.get("quantizers", []):
+        ql.append(f"| {row['shape']} | {row['op']} | {1e3 * row['ms']:.1f} | {row['gb_s']:.0f} | "
+                  f"{100 * row['gb_s'] / row['copy_gb_s']:.0f}% of {row['copy_gb_s']:.0f} |")
     text = "\n".join(lines) + "\n\n" + "\n".join(gl) + "\n"
+    if len(ql) > 2:
+        text += "\n" + "\n".join(ql) + "\n"
     (args.out / "bench_quantlinear.md").write_text(text)
     if profiles:
         (args.out / "bench_quantlinear_profile.md").write_text("\n".join(profiles))
