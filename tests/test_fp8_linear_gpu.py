@@ -54,7 +54,7 @@ def test_rows_cols_match_the_spec(m, k, dtype):
 
 def test_rows_cols_of_strided_inputs():
     base = _input(520, 1024, torch.bfloat16)
-    for x in (base[8:400, 128:640], base.t()[128:512, :300]):  # strided rows; a transposed view
+    for x in (base[8:400, 128:640], base.t()[:300, 128:512]):  # strided rows; a transposed view
         d, s, dt, st = ops.quantize_fp8_rows_cols(x)
         assert_bitwise_equal(d, formats.quantize_fp8_blockwise(x, block=(1, 128))[0], "rows data")
         assert_bitwise_equal(dt, formats.quantize_fp8_blockwise(_padded_t(x), block=(1, 128))[0], "columns data")

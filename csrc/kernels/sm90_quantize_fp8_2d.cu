@@ -78,7 +78,7 @@ __device__ __forceinline__ uint32_t encode4(const float* v, uint32_t sbyte) {
 }
 
 template <typename E, bool kTiles>
-__global__ void __launch_bounds__(kTileThreads) sm90_quantize_fp8_2d_kernel(const QuantizeFp8TwoAxisParams p) {
+__global__ void __launch_bounds__(kTileThreads, sizeof(E) == 2 ? 4 : 2) sm90_quantize_fp8_2d_kernel(const QuantizeFp8TwoAxisParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   E* tile = reinterpret_cast<E*>(smem_raw);                                      // [128][128]
   uint32_t* col_amax = reinterpret_cast<uint32_t*>(tile + kTile * kTile);       // [4][128]
@@ -149,18 +149,20 @@ __global__ void __launch_bounds__(kTileThreads) sm90_quantize_fp8_2d_kernel(cons
   if (p.out_t == nullptr) return;  // the same for the whole block
   __syncthreads();
 
-  // Transposed copy: thread (pair, quarter) holds columns 2*pair and 2*pair+1 over 32 rows.
+  // Transposed copy: thread (pair, quarter) takes columns 2*pair and 2*pair+1 over 32 rows, reading
+  // the tile twice (the maxima, then the values to encode) to keep few values live.
   const int pair = threadIdx.x & (kTile / 2 - 1), quarter = threadIdx.x / (kTile / 2);
-  float c0[kQuarterRows], c1[kQuarterRows];
-  uint32_t a0 = 0, a1 = 0;
-#pragma unroll
-  for (int j = 0; j < kQuarterRows; ++j) {
-    pair_to_float(tile + (quarter * kQuarterRows + j) * kTile + 2 * pair, c0[j], c1[j]);
-    a0 = max(a0, magnitude_bits(c0[j]));
-    a1 = max(a1, magnitude_bits(c1[j]));
-  }
+  const E* src = tile + quarter * kQuarterRows * kTile + 2 * pair;
   uint32_t b0 = tile_byte, b1 = tile_byte;
   if constexpr (!kTiles) {
+    uint32_t a0 = 0, a1 = 0;
+#pragma unroll 8
+    for (int j = 0; j < kQuarterRows; ++j) {
+      float f0, f1;
+      pair_to_float(src + j * kTile, f0, f1);
+      a0 = max(a0, magnitude_bits(f0));
+      a1 = max(a1, magnitude_bits(f1));
+    }
     col_amax[quarter * kTile + 2 * pair] = a0;
     col_amax[quarter * kTile + 2 * pair + 1] = a1;
     __syncthreads();
@@ -177,10 +179,11 @@ __global__ void __launch_bounds__(kTileThreads) sm90_quantize_fp8_2d_kernel(cons
   uint8_t* dst1 = dst0 + p.ld_t;
 #pragma unroll
   for (int h = 0; h < kQuarterRows / 16; ++h) {
-    const float* s0 = c0 + 16 * h;
-    const float* s1 = c1 + 16 * h;
-    reinterpret_cast<uint4*>(dst0)[h] = make_uint4(encode4(s0, b0), encode4(s0 + 4, b0), encode4(s0 + 8, b0), encode4(s0 + 12, b0));
-    reinterpret_cast<uint4*>(dst1)[h] = make_uint4(encode4(s1, b1), encode4(s1 + 4, b1), encode4(s1 + 8, b1), encode4(s1 + 12, b1));
+    float c0[16], c1[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) pair_to_float(src + (16 * h + j) * kTile, c0[j], c1[j]);
+    reinterpret_cast<uint4*>(dst0)[h] = make_uint4(encode4(c0, b0), encode4(c0 + 4, b0), encode4(c0 + 8, b0), encode4(c0 + 12, b0));
+    reinterpret_cast<uint4*>(dst1)[h] = make_uint4(encode4(c1, b1), encode4(c1 + 4, b1), encode4(c1 + 8, b1), encode4(c1 + 12, b1));
   }
   if constexpr (!kTiles) {
     if (quarter == 0) {

@@ -73,6 +73,16 @@ def run(device: str = "cuda") -> bool:
         q, qs = ops.quantize_fp8_blockwise(x)
         qr, qsr = formats.quantize_fp8_blockwise(x, block=(1, 128))
         ok &= _same(f"quantize_fp8_blockwise h={h}", q, qr) & _same("  scales", qs, qsr)
+        for dtype in (torch.bfloat16, torch.float32):  # n rows: a partial last 128-row tile
+            xd = x.to(dtype)
+            xt = torch.nn.functional.pad(xd.t(), (0, -n % 128))
+            want = (*formats.quantize_fp8_blockwise(xd, block=(1, 128)),
+                    *formats.quantize_fp8_blockwise(xt, block=(1, 128)))
+            for got, w, what in zip(ops.quantize_fp8_rows_cols(xd), want, ("data", "scales", "data_t", "scales_t")):
+                ok &= _same(f"quantize_fp8_rows_cols h={h} {dtype} {what}", got, w)
+            wd, ws = formats.quantize_fp8_blockwise(xd[:128], block=(128, 128))
+            for got, w, what in zip(ops.quantize_fp8_tiles(xd[:128]), (wd, ws, wd.t()), ("data", "scales", "data_t")):
+                ok &= _same(f"quantize_fp8_tiles h={h} {dtype} {what}", got, w)
     if device != "cpu":
         torch.cuda.synchronize()
     return ok
