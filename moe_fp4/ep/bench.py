@@ -15,8 +15,10 @@ CPU; on GPUs also "symm", the symmetric-memory backend of moe_fp4.ep.symmetric):
   e2e us       BF16 tokens to FP8 1x128 expert inputs: encode + all-to-all + conversion of each
                received token + gather to one row per (token, local expert) in expert order
   tok us       the same without the expansion: FP8 1x128 per received token
-Times are medians over iterations of the slowest rank's time. Tokens are routed uniformly at random
-(top-k of random scores, distinct experts), experts split evenly over the ranks.
+Times are medians over iterations of the slowest rank's time; --timing device queues each call behind
+a GPU sleep, so host work the GPU would wait for is hidden (the raw a2a is timed the same way).
+Tokens are routed uniformly at random (top-k of random scores, distinct experts), experts split
+evenly over the ranks.
 
 Run under torchrun (one process per GPU), or plainly: the command then starts one process per
 visible GPU (NCCL), or 2 CPU processes (gloo) without GPUs.
@@ -57,6 +59,9 @@ def _parse(argv):
                    "transfer, conversions, combine kernels) at the largest token count")
     p.add_argument("--profile-layout", action="store_true", help="profile 5 full (layout-computing) mxfp4 "
                    "dispatches per backend at the largest token count (torch.profiler; rank 0 prints its top ops)")
+    p.add_argument("--timing", choices=("host", "device"), default="host", help="host (default): each call starts "
+                   "on an idle GPU, its host work counted; device: each call's work is queued behind a GPU sleep, "
+                   "hiding host work as a training step running ahead of the GPU does (also for the raw a2a)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available() and a.backend != "gloo"
@@ -78,10 +83,28 @@ def _parse(argv):
 
 
 class _Timer:
-    """Median over iterations of the slowest rank's time for ``fn`` (ms)."""
+    """Median over iterations of the slowest rank's time for ``fn`` (ms).
 
-    def __init__(self, dist, group, device, iters, warmup):
+    timing "host": the GPU is idle when ``fn`` starts, so its host work (Python, argument checks,
+    launches) counts wherever the GPU waits for it. "device": ``fn``'s work is queued behind a GPU
+    sleep of a few milliseconds and the clock starts when the sleep ends, so host work the GPU would
+    otherwise wait for is hidden, as in a training step whose host runs ahead of the GPU (work after
+    a host synchronisation inside ``fn``, e.g. a full dispatch's count exchange, still counts).
+    """
+
+    SLEEP_MS = 3.0
+
+    def __init__(self, dist, group, device, iters, warmup, timing: str = "host"):
         self.dist, self.group, self.device, self.iters, self.warmup = dist, group, device, iters, warmup
+        self.timing = timing
+        self._cycles = 0
+        if timing == "device" and device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(1_000_000)
+            b.record()
+            b.synchronize()
+            self._cycles = int(1_000_000 * self.SLEEP_MS / max(a.elapsed_time(b), 1e-3))
 
     def __call__(self, fn) -> float:
         cuda = self.device.type == "cuda"
@@ -92,6 +115,8 @@ class _Timer:
             self.dist.barrier(group=self.group)
             if cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                if self._cycles:
+                    torch.cuda._sleep(self._cycles)
                 start.record()
                 fn()
                 end.record()
@@ -155,7 +180,7 @@ def _run(args) -> list[dict]:
 
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
-    timer = _Timer(dist, None, device, args.iters, args.warmup)
+    timer = _Timer(dist, None, device, args.iters, args.warmup, args.timing)
     plain = Buffer(args.experts, payload="bf16", backend=TorchDistributedBackend())
     bufs = {}
     for b in args.backends:
@@ -369,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         device = f"{world} CPU processes (gloo), {os.cpu_count()} cores"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     header = (f"dispatch benchmark: hidden {args.hidden}, top-{args.topk}, {args.experts} experts over {world} ranks, "
-              f"median of {args.iters} iterations\ndevice: {device}; torch {torch.__version__}; {stamp}\n"
-              f"{_native_state()}")
+              f"median of {args.iters} iterations, timing {args.timing}\ndevice: {device}; torch {torch.__version__}; "
+              f"{stamp}\n{_native_state()}")
     parts = [r for r in rows if "breakdown" in r]
     rows = [r for r in rows if "breakdown" not in r]
     table = format_table(rows)
