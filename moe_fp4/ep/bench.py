@@ -89,7 +89,9 @@ class _Timer:
     launches) counts wherever the GPU waits for it. "device": ``fn``'s work is queued behind a GPU
     sleep of a few milliseconds and the clock starts when the sleep ends, so host work the GPU would
     otherwise wait for is hidden, as in a training step whose host runs ahead of the GPU (work after
-    a host synchronisation inside ``fn``, e.g. a full dispatch's count exchange, still counts).
+    a host synchronisation inside ``fn``, e.g. a full dispatch's count exchange, still counts). A
+    one-element all-reduce between the sleep and the clock's start lines the ranks' GPUs up, so the
+    ranks' host skew is not timed either.
     """
 
     SLEEP_MS = 3.0
@@ -105,6 +107,7 @@ class _Timer:
             b.record()
             b.synchronize()
             self._cycles = int(1_000_000 * self.SLEEP_MS / max(a.elapsed_time(b), 1e-3))
+            self._align = torch.zeros(1, device=device)
 
     def __call__(self, fn) -> float:
         cuda = self.device.type == "cuda"
@@ -117,6 +120,9 @@ class _Timer:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 if self._cycles:
                     torch.cuda._sleep(self._cycles)
+                    # the ranks' sleeps end at different times (their hosts leave the barrier apart):
+                    # a one-element all-reduce queued after the sleep starts every rank's clock together
+                    self.dist.all_reduce(self._align, group=self.group)
                 start.record()
                 fn()
                 end.record()
