@@ -220,6 +220,37 @@ def case_symm_sync_budget(ctx, seed, mode):
     return tuple(combined.shape)
 
 
+def case_symm_push_agreement(ctx, seed):
+    """A rank that cannot map its peers' buffers makes every rank pull (decided together at the first
+    allocation, so no rank pushes into a peer that pulls): warnings name who failed; the rows equal
+    the NCCL dispatch's."""
+    import warnings
+
+    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
+    x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
+    symm = _symm_buffer(ctx, n_exp, "mxfp4", 1, push=True)
+    if ctx.rank == ctx.world_size - 1:
+        def no_views(*args, **kwargs):
+            raise RuntimeError("peer views refused (test)")
+
+        symm.backend.peer_rows = no_views
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = symm.dispatch(x, idx, w, return_fp8=True)
+    assert symm.backend.push is False, "a rank still pushes after a peer could not"
+    want = "this rank cannot" if ctx.rank == ctx.world_size - 1 else "another rank cannot"
+    assert any(want in str(c.message) and "pulling" in str(c.message) for c in caught), [str(c.message) for c in caught]
+    with _TritonOff():
+        ref = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w, return_fp8=True)
+    _same_outputs(got, ref, "pull after the push agreement")
+    _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "cached pull after the agreement")
+    return True
+
+
+def test_symm_push_falls_back_on_every_rank_together(pool):
+    pool.run(case_symm_push_agreement, fresh_seed())
+
+
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
 @pytest.mark.parametrize("mode", ["push", "pull1", "pull4"])
 def test_symm_matches_nccl(pool, payload, mode):

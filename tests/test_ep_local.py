@@ -646,6 +646,51 @@ def test_symm_backend_allocates_on_first_use_when_no_row_moves():
     assert backend._handle.barriers == [0, 1]
 
 
+class _FakePeerHandle(_FakeSymmHandle):
+    """A rendezvous handle of a world of two whose peer view works or raises."""
+
+    def __init__(self, buf, views_work):
+        super().__init__(buf)
+        self.buffer_ptrs, self.views_work = [buf.data_ptr()] * 2, views_work
+
+    def get_buffer(self, rank, shape, dtype, offset):
+        if not self.views_work:
+            raise RuntimeError("peer views refused (test)")
+        return torch.zeros(shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("mine, others, push", [(True, True, True), (False, True, False), (True, False, False)])
+def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, push):
+    """At its first allocation the backend asks every rank (an all-reduce of 'can map the peers'
+    buffers') and pushes only if all can; a warning names whether this rank or another could not."""
+    import warnings
+    from types import SimpleNamespace
+
+    import moe_fp4.ep.symmetric as symmetric
+
+    def all_reduce(t, op, group):
+        assert op == "min"
+        t.clamp_(max=int(others))
+
+    monkeypatch.setattr(symmetric, "dist", SimpleNamespace(all_reduce=all_reduce, ReduceOp=SimpleNamespace(MIN="min"),
+                                                           group=SimpleNamespace(WORLD="world")))
+    backend = symmetric.SymmetricMemoryBackend.__new__(symmetric.SymmetricMemoryBackend)
+    backend.__dict__.update(rank=0, world_size=2, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, chunks=1, push=True)
+    backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
+                                    rendezvous=lambda buf, group: _FakePeerHandle(buf, mine))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        backend.ensure_capacity(100)
+        backend.ensure_capacity(1 << 22)  # a later growth asks nobody again
+    assert backend.push is push
+    messages = [str(c.message) for c in caught if "pulling" in str(c.message)]
+    if push:
+        assert not messages
+    else:
+        assert len(messages) == 1 and ("this rank cannot" if not mine else "another rank cannot") in messages[0]
+
+
 # ------------------------------------------------------------------------------------------------
 # Multi-destination row ops (the push dispatch's kernels; their spec fallback here, native on GPU in
 # tests/test_kernels_gpu.py)

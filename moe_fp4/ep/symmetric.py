@@ -57,7 +57,9 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       transfer (1, the default: no pipelining, which measured faster on 2 H200s; see
       benchmarks/results/dispatch.md); chunks > 1 dispatches by pulling;
     push: dispatch by pushing each encoded row into its receivers' buffers (True, the default) or by
-      pulling rows out of the senders' staging buffers (False);
+      pulling rows out of the senders' staging buffers (False); with True the ranks agree at the
+      first allocation: they push only if every rank can map its peers' buffers as tensors, else all
+      pull (a warning says which rank could not);
     timeout_ms: how long a device barrier waits for a peer before the kernel traps."""
 
     direct = True
@@ -115,8 +117,30 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self._keep.append((buf, handle))
         self._buffer, self._handle = buf, handle
         self.bases = torch.tensor([int(p) for p in handle.buffer_ptrs], dtype=torch.int64, device=self.device)
+        first = self.capacity == 0
         self.capacity = size
         self._peer_views = {}
+        if first and self.push and self.world_size > 1:
+            self._agree_on_push()
+
+    def _agree_on_push(self) -> None:
+        """Collective, at the first allocation: every rank tries to map each peer's buffer as a
+        tensor (what the push dispatch writes through) and the ranks push only if all of them can;
+        otherwise every rank pulls (one warning per rank that could not). One host sync, once."""
+        reason = ""
+        try:
+            for r in range(self.world_size):
+                if r != self.rank:
+                    self.peer_rows(r, 1, 1)
+        except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
+            reason = " ".join(str(e).split()) or type(e).__name__
+        flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        if not int(flag.item()):
+            self.push = False
+            why = f"this rank cannot address its peers' buffers as tensors ({reason})" if reason else \
+                "another rank cannot address its peers' buffers as tensors"
+            warnings.warn(f"symm backend: {why}; every rank dispatches by pulling", RuntimeWarning, stacklevel=4)
 
     def peer_rows(self, rank: int, rows: int, width: int) -> torch.Tensor:
         """uint8 [rows, width]: the start of ``rank``'s buffer as a tensor of this GPU (a peer's
@@ -277,13 +301,9 @@ def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
-    try:
-        dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
-    except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
-        warnings.warn(f"symm backend: cannot address peers' buffers as tensors ({e}); dispatching by pulling",
-                      RuntimeWarning, stacklevel=3)
-        backend.push = False  # (every rank fails alike: the same torch on one host)
+    if not backend.push:  # the ranks agreed at the first allocation that some cannot push
         return dispatch_rows(backend, x, codec, handle)
+    dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
     backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
     codec.encode_push(x, dests, plan["peer_rank_table"])
     backend.barrier(1)  # every row has landed
