@@ -247,6 +247,16 @@ def case_symm_push_agreement(ctx, seed):
     return True
 
 
+def test_push_destination_on_another_gpu_raises():
+    """A destination tensor of another GPU (not a peer buffer mapped on this one) is refused."""
+    from moe_fp4 import ops
+
+    x = torch.randn(4, 64, device="cuda:0", dtype=torch.bfloat16)
+    rows = torch.zeros(4, 1, dtype=torch.int64, device="cuda:0")
+    with pytest.raises(ValueError, match=r"dests\[0\]: expected device cuda:0, got cuda:1"):
+        ops.quantize_mxfp4_rows_multi(x, [torch.empty(4, 34, dtype=torch.uint8, device="cuda:1")], rows)
+
+
 def test_symm_push_falls_back_on_every_rank_together(pool):
     pool.run(case_symm_push_agreement, fresh_seed())
 

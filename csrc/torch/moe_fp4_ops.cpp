@@ -143,8 +143,8 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
 }
 
-// dests: uint8 [R_d, width] CUDA tensors with contiguous rows (a peer's symmetric-memory buffer seen
-// from this GPU counts: only its address is used); rows int64 [T, D] on ref's device, D = len(dests),
+// dests: uint8 [R_d, width] tensors of ref's GPU with contiguous rows (a peer's symmetric-memory
+// buffer mapped on this GPU is one); rows int64 [T, D] on ref's device, D = len(dests),
 // at most kMaxRowDestinations. Row rows[t, d] of dests[d] receives token t's row (skipped when
 // negative or >= R_d).
 moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, const Tensor& rows, const Tensor& ref,
@@ -162,6 +162,9 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
   for (int64_t i = 0; i < num; ++i) {
     const Tensor& t = dests[i];
     MOE_FP4_CHECK_CUDA(t, "dests");
+    // a peer's symmetric-memory buffer mapped on this GPU is a tensor of this GPU
+    TORCH_CHECK(t.device() == ref.device(), "dests: expected device ", ref.device(), ", got ", t.device(), " in dests[",
+                i, "]");
     MOE_FP4_CHECK_DTYPE(t, at::kByte, "dests");
     MOE_FP4_CHECK_DIM(t, 2, "dests");
     TORCH_CHECK(t.size(1) == width, "dests: expected ", width, " bytes per row, got ", t.size(1), " in dests[", i, "]");

@@ -208,8 +208,8 @@ def _destinations(dests, dest_rows, ref, tokens, width):
                          f"{type(dests).__name__} of {len(dests) if isinstance(dests, (list, tuple)) else '?'}")
     for i, d in enumerate(dests):
         _tensor(d, f"dests[{i}]", (torch.uint8,), 2)
-        if d.device.type != ref.device.type:  # (a peer's buffer mapped on this GPU has this device's type)
-            raise ValueError(f"dests[{i}]: expected a {ref.device.type} tensor, got {d.device}")
+        if d.device != ref.device:  # (a peer's buffer mapped on this GPU is a tensor of this GPU)
+            raise ValueError(f"dests[{i}]: expected device {ref.device}, got {d.device}")
         if d.shape[1] != width:
             raise ValueError(f"dests[{i}]: expected {width} bytes per row, got {d.shape[1]}")
         # (a single row still needs contiguous bytes: the kernels store each row as one run)
