@@ -19,8 +19,10 @@ namespace {
 constexpr int kTile = 128;
 constexpr int kTileThreads = 256;  // 8 warps; a half-warp loads one 128-element row of the tile
 constexpr int kRowsPerThread = kTile / (kTileThreads / 16);  // 8 tile rows per half-warp
-constexpr int kColQuarters = kTileThreads / (kTile / 2);     // column phase: 64 column pairs x 4 row quarters
-constexpr int kQuarterRows = kTile / kColQuarters;           // 32
+constexpr int kParts = kTileThreads / kTile;                 // column phase: 128 columns x 2 row parts
+constexpr int kPartRows = kTile / kParts;                     // 64
+constexpr int kStagePitch = kTile + 16;  // bytes per staged row of the transpose: 16-byte stores of 8
+                                         // consecutive columns' rows fall in distinct banks
 
 // 8 consecutive elements (one 16-byte load for bfloat16, two for float32) as float32 (exact).
 template <typename E>
@@ -55,17 +57,9 @@ struct Eight {
   }
 };
 
-// Two adjacent elements of a shared-memory tile row as float32.
-__device__ __forceinline__ void pair_to_float(const uint16_t* p, float& a, float& b) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-  a = __uint_as_float(w << 16);
-  b = __uint_as_float(w & 0xFFFF0000u);
-}
-__device__ __forceinline__ void pair_to_float(const float* p, float& a, float& b) {
-  const float2 v = *reinterpret_cast<const float2*>(p);
-  a = v.x;
-  b = v.y;
-}
+// One element of the shared-memory tile as float32 (exact).
+__device__ __forceinline__ float to_float(uint16_t v) { return __uint_as_float(uint32_t(v) << 16); }
+__device__ __forceinline__ float to_float(float v) { return v; }
 
 // Bits of |v| ordered as unsigned integers: NaN and Inf sort above every finite value.
 __device__ __forceinline__ uint32_t magnitude_bits(float v) { return __float_as_uint(v) & 0x7FFFFFFFu; }
@@ -80,9 +74,10 @@ __device__ __forceinline__ uint32_t encode4(const float* v, uint32_t sbyte) {
 template <typename E, bool kTiles>
 __global__ void __launch_bounds__(kTileThreads, sizeof(E) == 2 ? 4 : 2) sm90_quantize_fp8_2d_kernel(const QuantizeFp8TwoAxisParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  E* tile = reinterpret_cast<E*>(smem_raw);                                      // [128][128]
-  uint32_t* col_amax = reinterpret_cast<uint32_t*>(tile + kTile * kTile);       // [4][128]
-  uint32_t* warp_amax = col_amax + kColQuarters * kTile;                         // [8]
+  E* tile = reinterpret_cast<E*>(smem_raw);                                 // [128][128]
+  uint32_t* col_amax = reinterpret_cast<uint32_t*>(tile + kTile * kTile);  // [2][128]
+  uint32_t* warp_amax = col_amax + kParts * kTile;                          // [8]
+  uint8_t* staged = reinterpret_cast<uint8_t*>(warp_amax + kTileThreads / 32);  // [128][kStagePitch]
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int half = lane >> 4, item = lane & 15;
@@ -149,55 +144,44 @@ __global__ void __launch_bounds__(kTileThreads, sizeof(E) == 2 ? 4 : 2) sm90_qua
   if (p.out_t == nullptr) return;  // the same for the whole block
   __syncthreads();
 
-  // Transposed copy: thread (pair, quarter) takes columns 2*pair and 2*pair+1 over 32 rows, reading
-  // the tile twice (the maxima, then the values to encode) to keep few values live.
-  const int pair = threadIdx.x & (kTile / 2 - 1), quarter = threadIdx.x / (kTile / 2);
-  const E* src = tile + quarter * kQuarterRows * kTile + 2 * pair;
-  uint32_t b0 = tile_byte, b1 = tile_byte;
+  // Transposed copy: thread (c, part) takes column c over rows 64*part .. 64*part+63: the column's
+  // maximum, then its E4M3 bytes into a staging tile (one padded row per column), then 8 threads per
+  // row store whole 128-byte rows of the transpose.
+  const int c = threadIdx.x & (kTile - 1), part = threadIdx.x / kTile;
+  const E* src = tile + part * kPartRows * kTile + c;
+  uint32_t sbyte = tile_byte;
   if constexpr (!kTiles) {
-    uint32_t a0 = 0, a1 = 0;
-#pragma unroll 8
-    for (int j = 0; j < kQuarterRows; ++j) {
-      float f0, f1;
-      pair_to_float(src + j * kTile, f0, f1);
-      a0 = max(a0, magnitude_bits(f0));
-      a1 = max(a1, magnitude_bits(f1));
-    }
-    col_amax[quarter * kTile + 2 * pair] = a0;
-    col_amax[quarter * kTile + 2 * pair + 1] = a1;
+    uint32_t amax = 0;
+#pragma unroll 16
+    for (int j = 0; j < kPartRows; ++j) amax = max(amax, magnitude_bits(to_float(src[j * kTile])));
+    col_amax[part * kTile + c] = amax;
     __syncthreads();
-#pragma unroll
-    for (int q = 0; q < kColQuarters; ++q) {
-      a0 = max(a0, col_amax[q * kTile + 2 * pair]);
-      a1 = max(a1, col_amax[q * kTile + 2 * pair + 1]);
-    }
-    b0 = e4m3_scale_byte(a0);
-    b1 = e4m3_scale_byte(a1);
+    sbyte = e4m3_scale_byte(max(col_amax[c], col_amax[kTile + c]));
+    if (part == 0) p.out_t_scales[(k0 + c) * (p.ld_t / kTile) + blockIdx.y] = ue8m0_value(sbyte);
   }
-  const long long col = k0 + 2 * pair;
-  uint8_t* dst0 = p.out_t + col * p.ld_t + m0 + quarter * kQuarterRows;
-  uint8_t* dst1 = dst0 + p.ld_t;
+  uint8_t* staged_col = staged + c * kStagePitch + part * kPartRows;
 #pragma unroll
-  for (int h = 0; h < kQuarterRows / 16; ++h) {
-    float c0[16], c1[16];
+  for (int h = 0; h < kPartRows / 16; ++h) {
+    float f[16];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) pair_to_float(src + (16 * h + j) * kTile, c0[j], c1[j]);
-    reinterpret_cast<uint4*>(dst0)[h] = make_uint4(encode4(c0, b0), encode4(c0 + 4, b0), encode4(c0 + 8, b0), encode4(c0 + 12, b0));
-    reinterpret_cast<uint4*>(dst1)[h] = make_uint4(encode4(c1, b1), encode4(c1 + 4, b1), encode4(c1 + 8, b1), encode4(c1 + 12, b1));
+    for (int j = 0; j < 16; ++j) f[j] = to_float(src[(16 * h + j) * kTile]);
+    reinterpret_cast<uint4*>(staged_col)[h] =
+        make_uint4(encode4(f, sbyte), encode4(f + 4, sbyte), encode4(f + 8, sbyte), encode4(f + 12, sbyte));
   }
-  if constexpr (!kTiles) {
-    if (quarter == 0) {
-      const long long per_col = p.ld_t / kTile;
-      p.out_t_scales[col * per_col + blockIdx.y] = ue8m0_value(b0);
-      p.out_t_scales[(col + 1) * per_col + blockIdx.y] = ue8m0_value(b1);
-    }
+  __syncthreads();
+  const int chunk = threadIdx.x & 7;
+#pragma unroll
+  for (int r = threadIdx.x >> 3; r < kTile; r += kTileThreads / 8) {
+    *reinterpret_cast<uint4*>(p.out_t + (k0 + r) * p.ld_t + m0 + chunk * 16) =
+        *reinterpret_cast<const uint4*>(staged + r * kStagePitch + chunk * 16);
   }
 }
 
 template <typename E, bool kTiles>
 cudaError_t launch_2d(const QuantizeFp8TwoAxisParams& p, dim3 grid, cudaStream_t stream) {
   auto kernel = sm90_quantize_fp8_2d_kernel<E, kTiles>;
-  const size_t smem = sizeof(E) * kTile * kTile + sizeof(uint32_t) * (kColQuarters * kTile + kTileThreads / 32);
+  const size_t smem = sizeof(E) * kTile * kTile + sizeof(uint32_t) * (kParts * kTile + kTileThreads / 32) +
+                      size_t(kTile) * kStagePitch;
   if (smem > 48 * 1024) {
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
