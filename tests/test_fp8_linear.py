@@ -166,3 +166,17 @@ def test_fp8_linear_makes_only_the_copies_a_gradient_needs(monkeypatch):
     with torch.no_grad():
         FP8LinearFunction.apply(x, w, FP8BlockwiseRecipe(), torch.float32, False, False)
     assert calls[1] == ("quantize_fp8_tiles", {"transpose": False})
+
+
+def test_fp8_linear_empty_batch_gives_zeros_without_a_gemm(monkeypatch):
+    """No tokens: y is empty and dW zeros, and torch._scaled_mm is never asked (a refusal there
+    would switch the layout to the emulation for good)."""
+    monkeypatch.setattr(R, "_SCALED_MM_STATE", {})
+    monkeypatch.setattr(torch, "_scaled_mm", _refuse)
+    x = torch.zeros(0, 256, requires_grad=True)
+    w = spread(128, 256).requires_grad_(True)
+    y = FP8LinearFunction.apply(x, w, FP8BlockwiseRecipe(), torch.float32, True, True)
+    assert y.shape == (0, 128)
+    y.backward(torch.zeros(0, 128))
+    assert x.grad.shape == (0, 256) and w.grad.shape == (128, 256) and not w.grad.any()
+    assert R._SCALED_MM_STATE == {}

@@ -400,8 +400,9 @@ def fp8_blockwise_scaled_mm(
 
     data_a float8_e4m3fn [R, L] with scales_a float32 [R, L/128] (block_a (1, 128)); data_b
     float8_e4m3fn [C, L] with scales_b float32 [C, L/128] (block_b (1, 128)) or [ceil(C/128), L/128]
-    (block_b (128, 128)). L a multiple of 128; R and C any. Returns ``out_dtype`` [R, C] (cuBLAS
-    computes bfloat16 for blockwise scaling). Raises ValueError for operands that do not fit.
+    (block_b (128, 128)). L a multiple of 128; R and C any (an empty product, R, C or L zero, is
+    zeros without a GEMM). Returns ``out_dtype`` [R, C] (cuBLAS computes bfloat16 for blockwise
+    scaling). Raises ValueError for operands that do not fit.
 
     What cuBLAS is handed (torch 2.11's ``_scaled_mm`` on sm_90): A's 1x128 scales outer-dim-major
     ([R, L/128] with strides (1, R)); B's 1x128 scales as [L/128, C] row-major; B's 128x128 scales
@@ -426,6 +427,8 @@ def fp8_blockwise_scaled_mm(
     if data_b.shape[1] != data_a.shape[1] or data_b.device != data_a.device:
         raise ValueError(f"data_b: expected reduction dimension {data_a.shape[1]} on {data_a.device}, got "
                          f"shape {tuple(data_b.shape)} on {data_b.device}")
+    if not rows_a or not rows_b or not data_a.shape[1]:  # an empty product: nothing for cuBLAS to do
+        return torch.zeros(rows_a, rows_b, dtype=out_dtype, device=data_a.device)
     pad = torch.nn.functional.pad
     extra_k = -scales_a.shape[1] % 4 if block_b == (FP8_BLOCK, FP8_BLOCK) else 0
     pad_a, pad_b = -rows_a % FP8_BLOCK, -rows_b % FP8_BLOCK
@@ -469,6 +472,8 @@ def scaled_mm_checked(da, sa, block_a, db, sb, block_b, gemm: str, strict: bool)
     float32 scales for ``block_a``, ``db``/``sb`` [C, L] for ``block_b``), bfloat16 [R, C]; or None
     when torch._scaled_mm refuses this layout or its first result differed from the emulation of the
     same operands (a warning says so once; ``strict``: raise instead). GEMM ``gemm`` names the warning."""
+    if not da.shape[0] or not db.shape[0] or not da.shape[1]:  # empty: zeros, nothing to check
+        return fp8_blockwise_scaled_mm(da, sa, block_a, db, sb, block_b)
     key = _layout_key(block_a, block_b, da.shape[1] // FP8_BLOCK)
     if _layout_refused(key, strict):
         return None
