@@ -1,12 +1,16 @@
-"""QuantLinear throughput per recipe against nn.Linear in BF16, and the FP8 blockwise GEMM alone.
+"""QuantLinear throughput per recipe against nn.Linear in BF16, the FP8 blockwise GEMM alone, and the
+one-pass FP8 operand quantizers.
 
 Question: what does each recipe cost per linear layer on this GPU? The MX / NVFP4 recipes are
 emulated (spec quantize -> dequantize -> BF16 GEMM), so they measure the price of emulation, not
-of FP4/FP8 hardware; the blockwise FP8 recipe runs real FP8 GEMMs (torch._scaled_mm) on operands
-quantized by the spec. Each recipe runs twice: with its quantizers compiled (``quantizer="compiled"``:
-the spec's functions through torch.compile, what "auto" does on CUDA except for NVFP4) and eager
-(``quantizer="eager"``: the plain-PyTorch spec, about 150 kernels per operand). The GEMM-only rows show what the FP8
-tensor cores give once the operands are quantized.
+of FP4/FP8 hardware. The blockwise FP8 recipe runs real FP8 GEMMs (torch._scaled_mm): QuantLinear
+takes FP8LinearFunction there (each tensor quantized once by a native kernel writing both FP8
+copies); the row "per-GEMM quantization" runs QuantLinearFunction instead (each GEMM quantizes its
+operands, the same bits), for comparison. Each recipe runs with its quantizers compiled
+(``quantizer="compiled"``: the spec's functions through torch.compile, what "auto" does on CUDA) and,
+unless --no-eager, eager (``quantizer="eager"``: the plain-PyTorch spec, about 150 kernels per
+operand). The GEMM-only rows show what the FP8 tensor cores give once the operands are quantized;
+the quantizer rows compare the one-pass quantizers with a device copy of the same bytes.
 
 Timing: CUDA events, median of --reps after --warmup calls; forward and forward+backward of a
 layer with BF16 input [M, K] and weight [N, K]; TFLOP/s counts 2*M*N*K per GEMM (3 GEMMs for
