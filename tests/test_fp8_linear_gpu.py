@@ -4,6 +4,7 @@
 import pytest
 import torch
 from _compare import assert_bitwise_equal
+from test_fp8_linear import check_tiles
 
 from moe_fp4 import formats, ops
 from moe_fp4.recipes import FP8BlockwiseRecipe, QuantLinear, QuantLinearFunction, fp8_linear
@@ -64,17 +65,7 @@ def test_rows_cols_of_strided_inputs():
 @pytest.mark.parametrize("n, k", [(128, 128), (384, 256), (2048, 7168)])
 @pytest.mark.parametrize("transpose", [True, False])
 def test_tiles_match_the_spec(n, k, dtype, transpose):
-    w = _input(n, k, dtype)
-    d, s, dt = ops.quantize_fp8_tiles(w, transpose=transpose)
-    want_d, want_s = formats.quantize_fp8_blockwise(w, block=(128, 128))
-    assert_bitwise_equal(d, want_d, "tile data")
-    assert_bitwise_equal(s, want_s, "tile scales")
-    if transpose:
-        want_t, want_ts = formats.quantize_fp8_blockwise(w.t().contiguous(), block=(128, 128))
-        assert_bitwise_equal(dt, want_t, "transposed data")
-        assert_bitwise_equal(s.t(), want_ts, "transposed scales")
-    else:
-        assert dt.shape == (0, n)
+    check_tiles(_input(n, k, dtype), transpose)
 
 
 def test_opcheck_two_axis_ops():
