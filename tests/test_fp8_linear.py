@@ -185,3 +185,21 @@ def test_fp8_linear_empty_batch_gives_zeros_without_a_gemm(monkeypatch):
     y.backward(torch.zeros(0, 128))
     assert x.grad.shape == (0, 256) and w.grad.shape == (128, 256) and not w.grad.any()
     assert R._SCALED_MM_STATE == {}
+
+
+def test_fp8_linear_fallback_ignores_an_enclosing_autocast(monkeypatch):
+    """The emulated fallback keeps the recipe's GEMM dtype under torch.autocast (as the generic path
+    does): the same bits with and without a bfloat16 autocast around forward and backward."""
+    monkeypatch.setattr(R, "_SCALED_MM_STATE", {})
+    monkeypatch.setattr(torch, "_scaled_mm", _refuse)
+    x, w, g = spread(130, 256), spread(128, 256), spread(130, 128)
+    outs = []
+    for autocast in (False, True):
+        monkeypatch.setattr(R, "_SCALED_MM_STATE", {})  # (each pass warns at its first refusal)
+        xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        with pytest.warns(UserWarning, match="emulates"), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = FP8LinearFunction.apply(xr, wr, FP8BlockwiseRecipe(), torch.float32, True, True)
+            y.backward(g)
+        outs.append((y.detach(), xr.grad, wr.grad))
+    for name, a, b in zip(("y", "dx", "dW"), *outs):
+        assert_bitwise_equal(a, b, name)

@@ -69,6 +69,11 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, recipe: FP8BlockwiseRecipe, out_dtype, x_grad: bool, w_grad: bool):
+        with torch.autocast(device_type=x.device.type, enabled=False):  # the recipe fixes every dtype
+            return FP8LinearFunction._forward(ctx, x, weight, recipe, out_dtype, x_grad, w_grad)
+
+    @staticmethod
+    def _forward(ctx, x, weight, recipe, out_dtype, x_grad, w_grad):
         from moe_fp4 import ops
 
         k = x.shape[-1]
@@ -85,6 +90,11 @@ class FP8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        with torch.autocast(device_type=grad_y.device.type, enabled=False):
+            return FP8LinearFunction._backward(ctx, grad_y)
+
+    @staticmethod
+    def _backward(ctx, grad_y):
         dxt, sxt, dwt, sw = ctx.saved_tensors
         recipe = ctx.recipe
         n = grad_y.shape[-1]
