@@ -76,27 +76,33 @@ def test_opcheck_two_axis_ops():
     torch.library.opcheck(_ops.quantize_fp8_tiles_op, (x[:128].float(), True))
 
 
-def _run(layer_fn, x, w, g):
+def _run(layer_fn, x, w, g, autocast):
     xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y = layer_fn(xr, wr)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        y = layer_fn(xr, wr)
     y.backward(g)
     return y.detach(), xr.grad, wr.grad
 
 
-@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("x_dtype, w_dtype, autocast", [(torch.bfloat16, torch.bfloat16, False),
+                                                        (torch.bfloat16, torch.float32, False),
+                                                        (torch.float32, torch.float32, True)])
 @pytest.mark.parametrize("m", [1000, 4096])
-def test_fp8_path_equals_the_generic_path(m, x_dtype, w_dtype):
+def test_fp8_path_equals_the_generic_path(m, x_dtype, w_dtype, autocast):
     """FP8LinearFunction (what QuantLinear runs here) and QuantLinearFunction give the same y, dx and
-    dW bits: the same operands, the same torch._scaled_mm calls."""
+    dW bits: the same operands, the same torch._scaled_mm calls (also under a bfloat16 autocast of
+    float32 inputs and weights, where y is bfloat16)."""
     recipe = FP8BlockwiseRecipe()
     k, n = 1024, 768
     x = _input(m, k, x_dtype).clamp(-1e4, 1e4).nan_to_num(0.0)
     w = (torch.randn(n, k, device="cuda") * 0.02).to(w_dtype)
-    g = torch.randn(m, n, device="cuda", dtype=x_dtype)
+    y_dtype = torch.bfloat16 if autocast else x_dtype
+    g = torch.randn(m, n, device="cuda", dtype=y_dtype)
     assert fp8_linear.applies(recipe, x, w)
     layer = QuantLinear(k, n, bias=False, device="cuda", dtype=w_dtype, recipe=recipe)
-    fast = _run(lambda a, b: torch.func.functional_call(layer, {"weight": b}, (a,)), x, w, g)
-    generic = _run(lambda a, b: QuantLinearFunction.apply(a, b, recipe, None, x_dtype), x, w, g)
+    fast = _run(lambda a, b: torch.func.functional_call(layer, {"weight": b}, (a,)), x, w, g, autocast)
+    generic = _run(lambda a, b: QuantLinearFunction.apply(a, b, recipe, None, y_dtype), x, w, g, autocast)
+    assert fast[0].dtype == y_dtype
     for name, a, b in zip(("y", "dx", "dW"), fast, generic):
         assert a.dtype == b.dtype, name
         assert_bitwise_equal(a, b, name)
