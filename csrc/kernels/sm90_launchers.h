@@ -150,4 +150,19 @@ struct DequantizeMxfp4Params {
 };
 cudaError_t launch_dequantize_mxfp4_bf16(const DequantizeMxfp4Params& p, cudaStream_t stream);
 
+// NVFP4 byte rows: x [T, H] -> uint8 [T, H/2 + H/16 + 4] rows, H/2 packed E2M1 bytes (element 2i in
+// the low nibble), H/16 E4M3 block scales, then the FP32 tensor scale of the whole x (its 4 bytes,
+// little endian): formats.pack_nvfp4_rows of formats.quantize_nvfp4(x).
+struct QuantizeNvfp4RowsParams {
+  const void* x;             // float32/bfloat16/float16 [T, H] (row stride x_stride elements, 16-byte aligned rows)
+  FloatInput x_type;
+  long long x_stride;
+  uint8_t* out;              // uint8 [T, H/2 + H/16 + 4] (row stride out_stride bytes)
+  long long out_stride;
+  unsigned int* amax_bits;   // uint32 [1] scratch: float32 bits of the largest finite |x| (cleared by the launcher)
+  long long tokens;          // T
+  int hidden;                // H, a multiple of 16
+};
+cudaError_t launch_quantize_nvfp4_rows(const QuantizeNvfp4RowsParams& p, cudaStream_t stream);
+
 }  // namespace moe_fp4

@@ -1,0 +1,218 @@
+// NVFP4 byte rows from float rows (the nvfp4 payload of the expert-parallel dispatch), the spec's
+// formats.quantize_nvfp4 (1x16 blocks) laid out as formats.pack_nvfp4_rows. Two kernels on the
+// caller's stream, no host synchronisation:
+//   1. the tensor scale's input: the largest finite |x| of the whole tensor (one warp per row, lane
+//      maxima over raw bits, one atomicMax of the float32 bits per warp into a word the launcher
+//      clears);
+//   2. one warp per row, one 16-element block per lane and item: the block's absolute maximum, its
+//      E4M3 scale e4m3(float32(amax_b / (6 * gs))) (the quotient formed in float64 and rounded once
+//      to float32, as the spec does), the divisor d = float32(e4m3_value * gs), each element
+//      float32(x / d) rounded to E2M1 (nearest even, saturating at 6, sign kept), and the row
+//      [H/2 packed | H/16 E4M3 scales | FP32 gs]. A block holding NaN or Inf gets scale 0x7F and
+//      zero codes; a block whose d is 0 gets zero codes.
+// Every division is IEEE (float32 divisions of float32 operands equal the spec's float64 division
+// rounded to float32).
+#include "sm90_common.cuh"
+#include "sm90_launchers.h"
+
+namespace moe_fp4 {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kNvfp4Block = 16;
+constexpr float kGlobalDenom = 2688.0f;  // 6 * 448, exact in float32
+constexpr uint32_t kE4m3Nan = 0x7Fu;
+
+// Elements of one 16-byte piece of a row.
+template <FloatInput kType>
+constexpr int kPerVec = kType == FloatInput::kFloat32 ? 4 : 8;
+
+// Lane-wise maximum of the finite |x| bits of one 16-byte piece, in the input's own bit layout
+// (two 16-bit lanes for bfloat16/float16, one word for float32).
+template <FloatInput kType>
+__device__ __forceinline__ uint32_t finite_abs_max(uint4 v, uint32_t m) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (kType == FloatInput::kFloat32) {
+      const uint32_t a = w[i] & 0x7FFFFFFFu;
+      m = a < kFloatInfBits ? max(m, a) : m;
+    } else {
+      constexpr uint32_t kInf = kType == FloatInput::kBFloat16 ? 0x7F807F80u : 0x7C007C00u;
+      const uint32_t a = w[i] & 0x7FFF7FFFu;
+      m = max_u16x2(m, a & __vcmpltu2(a, kInf));  // non-finite lanes count as 0
+    }
+  }
+  return m;
+}
+
+// float32 bits of a lane maximum from finite_abs_max.
+template <FloatInput kType>
+__device__ __forceinline__ uint32_t max_to_float_bits(uint32_t m) {
+  if constexpr (kType == FloatInput::kFloat32) {
+    return m;
+  } else if constexpr (kType == FloatInput::kBFloat16) {
+    return max(m << 16, m & 0xFFFF0000u);
+  } else {
+    const uint32_t h = max(m & 0xFFFFu, m >> 16);
+    return __float_as_uint(__half2float(__ushort_as_half(static_cast<unsigned short>(h))));
+  }
+}
+
+template <FloatInput kType>
+__global__ void __launch_bounds__(kThreads) sm90_nvfp4_amax_kernel(const QuantizeNvfp4RowsParams p) {
+  const int lane = threadIdx.x & 31;
+  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
+  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
+  const int vecs = p.hidden / kPerVec<kType>;
+  const size_t row_bytes = static_cast<size_t>(p.x_stride) * (kType == FloatInput::kFloat32 ? 4 : 2);
+  uint32_t m = 0;
+  for (long long t = warp; t < p.tokens; t += num_warps) {
+    const uint4* row = reinterpret_cast<const uint4*>(static_cast<const char*>(p.x) + t * row_bytes);
+    int v = lane;
+    for (; v + 96 < vecs; v += 128) {  // four loads in flight
+      const uint4 a = row[v], b = row[v + 32], c = row[v + 64], d = row[v + 96];
+      m = finite_abs_max<kType>(d, finite_abs_max<kType>(c, finite_abs_max<kType>(b, finite_abs_max<kType>(a, m))));
+    }
+    for (; v < vecs; v += 32) m = finite_abs_max<kType>(row[v], m);
+  }
+  uint32_t bits = max_to_float_bits<kType>(m);
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) bits = max(bits, __shfl_xor_sync(0xFFFFFFFFu, bits, s));
+  if (lane == 0 && bits != 0u) atomicMax(p.amax_bits, bits);
+}
+
+// The 16 elements of block b of a row, as float32 (exact for every input type).
+template <FloatInput kType>
+__device__ __forceinline__ void load_block(const void* row, int b, float (&f)[kNvfp4Block]) {
+  if constexpr (kType == FloatInput::kFloat32) {
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const float*>(row) + b * kNvfp4Block);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 v = __ldcs(q + i);
+      f[4 * i] = __uint_as_float(v.x);
+      f[4 * i + 1] = __uint_as_float(v.y);
+      f[4 * i + 2] = __uint_as_float(v.z);
+      f[4 * i + 3] = __uint_as_float(v.w);
+    }
+  } else {
+    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + b * kNvfp4Block);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint4 v = __ldcs(q + i);
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if constexpr (kType == FloatInput::kBFloat16) {
+          f[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
+          f[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
+        } else {
+          f[8 * i + 2 * j] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[j] & 0xFFFFu)));
+          f[8 * i + 2 * j + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[j] >> 16)));
+        }
+      }
+    }
+  }
+}
+
+// float32 value of an E4M3 code (finite, non-negative: a block scale).
+__device__ __forceinline__ float e4m3_value(uint32_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(code), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// Stores the 8 packed bytes `v` at p with the widest stores its alignment `align` (8, 4 or 1) allows.
+__device__ __forceinline__ void store_packed(uint8_t* p, uint2 v, int align) {
+  if (align >= 8) {
+    *reinterpret_cast<uint2*>(p) = v;
+  } else if (align >= 4) {
+    reinterpret_cast<uint32_t*>(p)[0] = v.x;
+    reinterpret_cast<uint32_t*>(p)[1] = v.y;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      p[i] = static_cast<uint8_t>(v.x >> (8 * i));
+      p[4 + i] = static_cast<uint8_t>(v.y >> (8 * i));
+    }
+  }
+}
+
+template <FloatInput kType>
+__global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_kernel(const QuantizeNvfp4RowsParams p) {
+  const int lane = threadIdx.x & 31;
+  const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t >= p.tokens) return;
+  const int blocks = p.hidden / kNvfp4Block;
+  const float gs = __fdiv_rn(__uint_as_float(*p.amax_bits), kGlobalDenom);
+  const double gs6 = 6.0 * static_cast<double>(gs);  // exact
+  const size_t elem = kType == FloatInput::kFloat32 ? 4 : 2;
+  const void* xrow = static_cast<const char*>(p.x) + static_cast<size_t>(t) * p.x_stride * elem;
+  uint8_t* orow = p.out + t * p.out_stride;
+  uint8_t* srow = orow + p.hidden / 2;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(orow);
+  const int align = (a & 7) == 0 ? 8 : (a & 3) == 0 ? 4 : 1;
+  for (int b = lane; b < blocks; b += 32) {
+    float f[kNvfp4Block];
+    load_block<kType>(xrow, b, f);
+    uint32_t amax = 0;
+#pragma unroll
+    for (int i = 0; i < kNvfp4Block; ++i) amax = max(amax, __float_as_uint(f[i]) & 0x7FFFFFFFu);
+    uint32_t scale_code;
+    uint2 packed = make_uint2(0u, 0u);
+    if (amax >= kFloatInfBits) {  // NaN or Inf in the block
+      scale_code = kE4m3Nan;
+    } else {
+      const float bscale =
+          gs > 0.0f ? __double2float_rn(__ddiv_rn(static_cast<double>(__uint_as_float(amax)), gs6)) : 0.0f;
+      scale_code = e4m3x2(bscale, 0.0f) & 0xFFu;
+      const float d = __fmul_rn(e4m3_value(scale_code), gs);
+      if (d > 0.0f) {
+        uint32_t w[2] = {0u, 0u};
+#pragma unroll
+        for (int i = 0; i < kNvfp4Block; ++i) {
+          const float q = __fdiv_rn(f[i], d);
+          const uint32_t code = (e2m1_magnitude(fabsf(q)) | ((__float_as_uint(q) >> 28) & 8u));
+          w[i / 8] |= code << (4 * (i % 8));
+        }
+        packed = make_uint2(w[0], w[1]);
+      }
+    }
+    store_packed(orow + b * 8, packed, align);
+    srow[b] = static_cast<uint8_t>(scale_code);
+  }
+  if (lane == 0) {
+    const uint32_t g = __float_as_uint(gs);
+    uint8_t* gp = srow + blocks;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) gp[i] = static_cast<uint8_t>(g >> (8 * i));
+  }
+}
+
+template <FloatInput kType>
+cudaError_t launch_typed(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) {
+  int device = 0, sms = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const long long row_blocks = (p.tokens + kWarps - 1) / kWarps;
+  const long long amax_blocks = row_blocks < 8LL * sms ? row_blocks : 8LL * sms;
+  sm90_nvfp4_amax_kernel<kType><<<static_cast<unsigned>(amax_blocks), kThreads, 0, stream>>>(p);
+  sm90_nvfp4_rows_kernel<kType><<<static_cast<unsigned>(row_blocks), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_quantize_nvfp4_rows(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) {
+  if (p.tokens <= 0) return cudaSuccess;
+  const cudaError_t cleared = cudaMemsetAsync(p.amax_bits, 0, sizeof(uint32_t), stream);
+  if (cleared != cudaSuccess) return cleared;
+  switch (p.x_type) {
+    case FloatInput::kFloat32: return launch_typed<FloatInput::kFloat32>(p, stream);
+    case FloatInput::kBFloat16: return launch_typed<FloatInput::kBFloat16>(p, stream);
+    case FloatInput::kFloat16: return launch_typed<FloatInput::kFloat16>(p, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace moe_fp4
