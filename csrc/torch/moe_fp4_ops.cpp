@@ -442,6 +442,28 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   return out;
 }
 
+// x [T, H] float -> NVFP4 byte rows uint8 [T, H/2 + H/16 + 4] (packed E2M1 | E4M3 block scales | the
+// FP32 tensor scale of the whole x): formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x)).
+Tensor quantize_nvfp4_rows(const Tensor& x) {
+  check_float_rows(x, 16);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t t = x.size(0), h = x.size(1);
+  Tensor out = at::empty({t, h / 2 + h / 16 + 4}, x.options().dtype(at::kByte));
+  if (t == 0) return out;
+  Tensor amax = at::empty({1}, x.options().dtype(at::kInt));
+  moe_fp4::QuantizeNvfp4RowsParams p{};
+  p.x = x.data_ptr();
+  p.x_type = float_input(x);
+  p.x_stride = x.stride(0);
+  p.out = out.data_ptr<uint8_t>();
+  p.out_stride = out.stride(0);
+  p.amax_bits = reinterpret_cast<unsigned int*>(amax.data_ptr<int>());
+  p.tokens = t;
+  p.hidden = static_cast<int>(h);
+  check_launch(moe_fp4::launch_quantize_nvfp4_rows(p, c10::cuda::getCurrentCUDAStream()), "quantize_nvfp4_rows");
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -473,4 +495,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("transpose"));
   m.def("dequantize_mxfp4_bf16", &dequantize_mxfp4_bf16, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
         py::arg("scales"));
+  m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
+        "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
 }
