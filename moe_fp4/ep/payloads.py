@@ -304,42 +304,31 @@ class MXFP4Payload(PayloadCodec):
 
 
 class NVFP4Payload(PayloadCodec):
-    """NVFP4 rows: packed E2M1 (H/2), E4M3 block scales per 16 (H/16), the sender's FP32 tensor
-    scale (4 bytes). The tensor scale comes from the amax of the sender's whole batch, as
-    ``quantize_nvfp4(x)``; decoding groups rows by their tensor scale (one host sync)."""
+    """NVFP4 rows (formats.pack_nvfp4_rows): packed E2M1 (H/2), E4M3 block scales per 16 (H/16), the
+    sender's FP32 tensor scale (4 bytes). The tensor scale comes from the amax of the sender's whole
+    batch, as ``quantize_nvfp4(x)`` (``ops.quantize_nvfp4_rows``: native on CUDA, no host sync);
+    each row carries it, so rows of several senders decode together (no host sync either)."""
 
     name = "nvfp4"
     rowwise = False  # the tensor scale comes from the whole batch
 
     def row_bytes(self, hidden: int) -> int:
         self.check_hidden(hidden, "hidden")
-        return hidden // 2 + hidden // formats.NVFP4_BLOCK + 4
+        return formats.nvfp4_row_bytes(hidden)
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         self._check_x(x)
         if x.shape[0] == 0:
             return self.empty_rows(x.shape[1], x.device)
-        packed, scales, global_scale = formats.quantize_nvfp4(x)
-        gs = global_scale.reshape(1, 1).expand(x.shape[0], 1)
-        return torch.cat((packed, scales.view(torch.uint8), _bytes_of(gs)), dim=1)
+        return ops.quantize_nvfp4_rows(x)
 
     def split(self, rows: torch.Tensor, hidden: int):
         """rows -> (packed uint8 [N, H/2], scales float8_e4m3fn [N, H/16], global scale float32 [N])."""
         _check_rows(rows, self.row_bytes(hidden), hidden)
-        h2, h16 = hidden // 2, hidden // formats.NVFP4_BLOCK
-        packed = rows[:, :h2]
-        scales = rows[:, h2:h2 + h16].contiguous().view(torch.float8_e4m3fn)
-        gs = rows[:, h2 + h16:].contiguous().view(torch.float32).reshape(-1)
-        return packed, scales, gs
+        return formats.unpack_nvfp4_rows(rows, hidden)
 
     def _decode(self, rows, hidden, dtype):
-        packed, scales, gs = self.split(rows, hidden)
-        out = torch.empty(rows.shape[0], hidden, dtype=dtype, device=rows.device)
-        # Rows of one sender share a tensor scale: dequantize each group with the spec.
-        for value in torch.unique(gs):
-            sel = (gs == value).nonzero().reshape(-1)
-            out[sel] = formats.dequantize_nvfp4(packed[sel], scales[sel], value, dtype=dtype)
-        return out
+        return formats.dequantize_nvfp4_rows(*self.split(rows, hidden), dtype=dtype)
 
 
 PAYLOADS: dict[str, type[PayloadCodec]] = {

@@ -130,3 +130,24 @@ def dequantize_nvfp4(
     shape = values.shape
     out = _blocks(values, block_2d) * d.unsqueeze(-1)
     return _unblocks(out, shape, block_2d).to(dtype)
+
+
+def dequantize_nvfp4_rows(
+    packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor, *, dtype=torch.float32
+) -> torch.Tensor:
+    """1x16 NVFP4 rows that each carry their own tensor scale (rows of several senders): packed uint8
+    [T, K/2], scales float8_e4m3fn [T, K/16], global_scale float32 [T] -> ``dtype`` [T, K]. Row t
+    equals ``dequantize_nvfp4(packed[t], scales[t], global_scale[t])``: the divisor of each block is
+    the same float32 product."""
+    check_tensor(packed, "packed", dtypes=(torch.uint8,), dim=2)
+    check_tensor(scales, "scales", dtypes=(torch.float8_e4m3fn,), dim=2)
+    check_tensor(global_scale, "global_scale", dtypes=(torch.float32,), dim=1)
+    t, k = packed.shape[0], packed.shape[1] * 2
+    check_multiple(k, NVFP4_BLOCK, "packed", "last dimension times 2")
+    if tuple(scales.shape) != (t, k // NVFP4_BLOCK):
+        raise ValueError(f"scales: expected shape {(t, k // NVFP4_BLOCK)}, got {tuple(scales.shape)}")
+    if tuple(global_scale.shape) != (t,):
+        raise ValueError(f"global_scale: expected shape ({t},), got {tuple(global_scale.shape)}")
+    d = decode_elements(scales.view(torch.uint8), E4M3) * global_scale.unsqueeze(-1)  # float32 products
+    values = decode_elements(unpack_fp4(packed), E2M1).reshape(t, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    return (values * d.unsqueeze(-1)).reshape(t, k).to(dtype)

@@ -10,6 +10,8 @@ custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile t
                                (the expert-parallel push into every rank's receive buffer)
   quantize_fp8_blockwise_rows_multi  FP8 1x128 byte rows [H E4M3 | H/128 FP32] to several destinations
   scatter_rows                 byte rows copied to several destinations (the push of rows needing no encode)
+  quantize_nvfp4_rows          float [T, H] -> NVFP4 byte rows [T, H/2 + H/16 + 4] (E2M1, E4M3 per 16, the
+                               FP32 tensor scale of the whole batch): the nvfp4 dispatch payload
   mxfp4_to_fp8_blockwise       FP4RowToFP8Row: MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
   mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
@@ -64,6 +66,7 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_mxfp4_rows",
     "quantize_mxfp4_rows_multi",
+    "quantize_nvfp4_rows",
     "scatter_rows",
 ]
 
@@ -435,3 +438,17 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
         raise ValueError(f"scales: expected shape {expected} for packed of shape {tuple(packed.shape)} "
                          f"(packed's last dimension times 2 a multiple of 32), got {tuple(scales.shape)}")
     return _ops.dequantize_mxfp4_op(packed, scales, dtype)
+
+
+def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
+    """NVFP4 byte rows (the nvfp4 dispatch payload): formats.pack_nvfp4_rows of
+    formats.quantize_nvfp4(x), 1x16 blocks, round to nearest even, the tensor scale from the largest
+    finite |x| of the whole x (native on CUDA: no host synchronisation).
+
+    x: bfloat16/float32/float16 [T, H], H a multiple of 16, contiguous last dimension.
+    Returns uint8 [T, H/2 + H/16 + 4]: per token H/2 packed E2M1 bytes (element 2i in the low nibble),
+    H/16 E4M3 block scales (0x7F for a block holding NaN or Inf, whose data is zero), then the 4 bytes
+    of the FP32 tensor scale.
+    """
+    _float_rows(x, 16)
+    return _ops.quantize_nvfp4_rows_op(x)

@@ -329,3 +329,16 @@ def dequantize_mxfp4_op(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
 @dequantize_mxfp4_op.register_fake
 def _(packed, scales, dtype):
     return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)
+
+
+@torch.library.custom_op(f"{LIB}::quantize_nvfp4_rows", mutates_args=())
+def quantize_nvfp4_rows_op(x: torch.Tensor) -> torch.Tensor:
+    if _native_for(x):
+        return _native.module().quantize_nvfp4_rows(x)
+    return formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x))
+
+
+@quantize_nvfp4_rows_op.register_fake
+def _(x):
+    t, h = x.shape
+    return x.new_empty((t, formats.nvfp4_row_bytes(h)), dtype=torch.uint8)

@@ -1,0 +1,74 @@
+"""How fast is the nvfp4 dispatch payload encoded? The native quantizer against the spec and the copy ceiling.
+
+    python benchmarks/bench_nvfp4_payload.py --tokens 4096 16384 32768 --hidden 7168
+
+For BF16 tokens [T, H] -> NVFP4 byte rows [T, H/2 + H/16 + 4] (``ops.quantize_nvfp4_rows``: a pass
+for the tensor amax, then the rows), and for comparison the MXFP4 rows of the same tokens
+(``ops.quantize_mxfp4_rows``, one pass) and the spec (``formats.quantize_nvfp4`` + row packing, eager
+and under ``torch.compile``). Timing as ``moe_fp4.ops.bench``: median of CUDA-event times, inputs
+rotated over sets larger than 3x L2. GB/s counts the bytes the op must move once (BF16 read once,
+rows written), so the NVFP4 rows' second read of the input (the amax pass) shows as a lower share of
+the copy ceiling, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+import torch
+
+from moe_fp4 import formats, ops
+from moe_fp4.ops.bench import _device_line, _median_us, _sets, copy_ceiling_gbs
+
+
+def _spec_rows(x: torch.Tensor) -> torch.Tensor:
+    return formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x))
+
+
+def _bench_shape(t: int, h: int, reps: int, ceiling: float, compiled, eager: bool) -> None:
+    ns = _sets(t * h * 2)
+    xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(ns)]
+    assert torch.equal(ops.quantize_nvfp4_rows(xs[0]), _spec_rows(xs[0])), "native rows differ from the spec"
+    shape = f"T={t} H={h}"
+
+    def row(name, us, out_bytes, eager_us=None, compiled_us=None):
+        gbs = (t * h * 2 + out_bytes) / us / 1e3
+        e = f"{eager_us / us:.1f}x" if eager_us else ""
+        c = f"{compiled_us / us:.1f}x" if compiled_us else ""
+        print(f"| {name} | {shape} | {us:.1f} | {gbs:.0f} | {100 * gbs / ceiling:.1f} | {e} | {c} |", flush=True)
+
+    us = _median_us(lambda i: ops.quantize_nvfp4_rows(xs[i]), ns, reps)
+    eager_us = _median_us(lambda i: _spec_rows(xs[i]), ns, reps=10, batch=5) if eager else None
+    compiled_us = None
+    if compiled is not None:
+        assert torch.equal(compiled(xs[0]), _spec_rows(xs[0])), "compiled spec differs from the eager spec"
+        compiled_us = _median_us(lambda i: compiled(xs[i]), ns, reps)
+    row("nvfp4 rows (ops.quantize_nvfp4_rows)", us, t * formats.nvfp4_row_bytes(h), eager_us, compiled_us)
+    us = _median_us(lambda i: ops.quantize_mxfp4_rows(xs[i]), ns, reps)
+    row("mxfp4 rows (ops.quantize_mxfp4_rows)", us, t * formats.mxfp4_row_bytes(h))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[4096, 16384, 32768])
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the spec")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU")
+    ceiling = copy_ceiling_gbs()
+    print(f"Device: {_device_line()}")
+    print(f"Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; copy ceiling {ceiling:.0f} GB/s")
+    print("| op | shape | µs | GB/s | % of copy | vs spec eager | vs spec compiled |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    compiled = None if args.no_compile else torch.compile(_spec_rows, dynamic=False)
+    for t in args.tokens:
+        _bench_shape(t, args.hidden, args.reps, ceiling, compiled if t == args.tokens[0] else None,
+                     eager=t == args.tokens[0])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

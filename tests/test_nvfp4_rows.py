@@ -1,0 +1,142 @@
+"""NVFP4 byte rows (the nvfp4 dispatch payload): the spec's row layout and per-row decode on CPU, and
+the native quantizer (ops.quantize_nvfp4_rows) bit for bit against the spec on GPU."""
+
+import pytest
+import torch
+
+from moe_fp4 import formats, ops
+from tests._compare import assert_bitwise_equal
+
+FLOATS = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def _spec_rows(x: torch.Tensor) -> torch.Tensor:
+    return formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x))
+
+
+def _special_tokens(t: int, h: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Random tokens over a wide range with NaN, +-Inf, zero, negative-zero, tiny and huge blocks."""
+    g = torch.Generator().manual_seed(torch.seed() % (2**31))
+    x = torch.randn(t, h, generator=g) * torch.exp2(torch.randint(-12, 12, (t, h // 16, 1), generator=g).float()
+                                                   ).repeat_interleave(16, dim=1).reshape(t, h)
+    blocks = x.view(t, h // 16, 16)
+    pick = torch.randint(0, 10, (t, h // 16), generator=g)
+    blocks[pick == 0] = 0.0
+    blocks[pick == 1] = -0.0
+    blocks[..., 3][pick == 2] = float("nan")
+    blocks[..., 5][pick == 3] = float("inf")
+    blocks[..., 7][pick == 4] = -float("inf")
+    blocks[pick == 5] *= 2.0**-20  # far below the tensor's largest block: tiny or zero E4M3 scales
+    finfo = torch.finfo(dtype)
+    x = x.clamp(-finfo.max / 4, finfo.max / 4).where(x.isfinite(), x)
+    return x.to(dtype).to(device)
+
+
+# ---- CPU: the spec's layout and decode ----
+
+
+def test_row_layout_round_trip():
+    t, h = 5, 96
+    x = torch.randn(t, h)
+    packed, scales, gs = formats.quantize_nvfp4(x)
+    rows = formats.pack_nvfp4_rows(packed, scales, gs)
+    assert rows.shape == (t, formats.nvfp4_row_bytes(h)) == (t, h // 2 + h // 16 + 4)
+    p2, s2, g2 = formats.unpack_nvfp4_rows(rows, h)
+    assert_bitwise_equal(p2, packed, "packed")
+    assert_bitwise_equal(s2, scales, "scales")
+    assert_bitwise_equal(g2, gs.expand(t).contiguous(), "global scale")
+    # the last four bytes of a row are the FP32 tensor scale, little endian
+    assert int.from_bytes(bytes(rows[0, -4:].tolist()), "little") == int(gs.view(torch.int32))
+
+
+def test_per_row_decode_equals_per_sender_dequantize():
+    h = 64
+    a, b = torch.randn(3, h) * 100, torch.randn(4, h) / 100  # two senders, two tensor scales
+    rows = torch.cat((_spec_rows(a), _spec_rows(b)))[torch.tensor([4, 0, 5, 1, 6, 2, 3])]
+    got = formats.dequantize_nvfp4_rows(*formats.unpack_nvfp4_rows(rows, h))
+    ref = torch.cat((formats.dequantize_nvfp4(*formats.quantize_nvfp4(a)),
+                     formats.dequantize_nvfp4(*formats.quantize_nvfp4(b))))[torch.tensor([4, 0, 5, 1, 6, 2, 3])]
+    assert_bitwise_equal(got, ref, "per-row decode")
+
+
+def test_per_row_decode_of_special_blocks():
+    x = _special_tokens(6, 128, torch.float32, "cpu")
+    packed, scales, gs = formats.quantize_nvfp4(x)
+    got = formats.dequantize_nvfp4_rows(packed, scales, gs.expand(6).contiguous())
+    assert_bitwise_equal(got, formats.dequantize_nvfp4(packed, scales, gs), "special blocks")
+    assert bool(got.isnan().any())  # NaN/Inf blocks decode to NaN
+
+
+def test_layout_errors_name_the_argument():
+    packed, scales, gs = formats.quantize_nvfp4(torch.randn(3, 32))
+    with pytest.raises(ValueError, match="hidden"):
+        formats.nvfp4_row_bytes(40)
+    with pytest.raises(ValueError, match="scales"):
+        formats.pack_nvfp4_rows(packed, scales[:, :1], gs)
+    with pytest.raises(ValueError, match="global_scale"):
+        formats.pack_nvfp4_rows(packed, scales, gs.expand(2).contiguous())
+    with pytest.raises(ValueError, match="rows"):
+        formats.unpack_nvfp4_rows(torch.zeros(3, 10, dtype=torch.uint8), 32)
+    with pytest.raises(ValueError, match="global_scale"):
+        formats.dequantize_nvfp4_rows(packed, scales, gs)  # 0-dim: one per row expected
+
+
+def test_op_on_cpu_is_the_spec_and_checks_arguments():
+    x = _special_tokens(7, 96, torch.bfloat16, "cpu")
+    assert_bitwise_equal(ops.quantize_nvfp4_rows(x), _spec_rows(x), "cpu op")
+    with pytest.raises(ValueError, match="x"):
+        ops.quantize_nvfp4_rows(torch.randn(2, 24))
+    with pytest.raises(ValueError, match="x"):
+        ops.quantize_nvfp4_rows(torch.randn(2, 32, dtype=torch.float64))
+    torch.library.opcheck(torch.ops.moe_fp4.quantize_nvfp4_rows.default, (torch.randn(3, 32),))
+
+
+# ---- GPU: the native kernels against the spec ----
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("t,h", [(1, 16), (7, 96), (33, 2048), (4096, 7168), (5, 4096)])
+def test_native_equals_spec_random(dtype, t, h):
+    x = (torch.randn(t, h, device="cuda") * 3).to(dtype)
+    assert_bitwise_equal(ops.quantize_nvfp4_rows(x), _spec_rows(x), f"{dtype} {t}x{h}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("t,h", [(9, 112), (64, 7168)])
+def test_native_equals_spec_special_values(dtype, t, h):
+    x = _special_tokens(t, h, dtype, "cuda")
+    got = ops.quantize_nvfp4_rows(x)
+    assert_bitwise_equal(got, _spec_rows(x), f"{dtype} special")
+    scales = formats.unpack_nvfp4_rows(got, h)[1].view(torch.uint8)
+    assert bool((scales == 0x7F).any()) and bool((scales == 0).any())  # NaN and zero blocks were drawn
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_native_edge_tensors(dtype):
+    h = 64
+    cases = {
+        "zeros": torch.zeros(3, h),
+        "negative zeros": -torch.zeros(3, h),
+        "only non-finite": torch.full((2, h), float("nan")),
+        "inf and finite": torch.cat((torch.full((1, h), float("inf")), torch.randn(1, h))),
+        "one nonzero": torch.zeros(4, h).index_put_((torch.tensor([2]), torch.tensor([17])), torch.tensor(-5.0)),
+        "ties": torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * (h // 8)).repeat(2, 1) * 448 / 6,
+    }
+    if dtype == torch.float32:
+        cases["subnormal"] = torch.randn(3, h) * 2.0**-140
+        cases["huge"] = torch.randn(3, h) * 2.0**120
+    for name, x in cases.items():
+        xd = x.to(dtype).cuda()
+        assert_bitwise_equal(ops.quantize_nvfp4_rows(xd), _spec_rows(xd), f"{dtype} {name}")
+
+
+@pytest.mark.gpu
+def test_native_strided_rows_and_opcheck():
+    base = torch.randn(6, 160, device="cuda", dtype=torch.bfloat16)
+    x = base[:, :128]  # row stride 160 elements (320 bytes: 16-byte aligned)
+    assert_bitwise_equal(ops.quantize_nvfp4_rows(x), _spec_rows(x), "strided rows")
+    assert ops.quantize_nvfp4_rows(x[:0]).shape == (0, formats.nvfp4_row_bytes(128))
+    torch.library.opcheck(torch.ops.moe_fp4.quantize_nvfp4_rows.default, (x.contiguous(),))
