@@ -140,3 +140,31 @@ def test_native_strided_rows_and_opcheck():
     assert_bitwise_equal(ops.quantize_nvfp4_rows(x), _spec_rows(x), "strided rows")
     assert ops.quantize_nvfp4_rows(x[:0]).shape == (0, formats.nvfp4_row_bytes(128))
     torch.library.opcheck(torch.ops.moe_fp4.quantize_nvfp4_rows.default, (x.contiguous(),))
+
+
+@pytest.mark.gpu
+def test_native_on_and_beside_e2m1_rounding_boundaries():
+    # A tensor amax of 2688 * 2^k makes the tensor scale exactly 2^k; a block whose amax is 6 c 2^k,
+    # c an E4M3 value, then gets the divisor d = c 2^k exactly, so x = m d and its float32 neighbours sit
+    # on and beside each E2M1 rounding boundary m (ties to even, and the quotient's own rounding).
+    k = -3
+    boundaries = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    cs = [1.0, 1.125, 1.75, 3.25, 2.0**-6, 13.0, 224.0, 0.001953125]  # E4M3 values, the last subnormal
+    blocks = [[2688.0 * 2.0**k] + [0.0] * 15]
+    for c in cs:
+        d = c * 2.0**k
+        vals = []
+        for m in boundaries:
+            base = torch.tensor(m * d, dtype=torch.float32)
+            down, up = torch.nextafter(base, torch.tensor(0.0)), torch.nextafter(base, torch.tensor(1e30))
+            vals += [float(base), float(down), float(up)]
+        vals = vals[:21]
+        for start in range(0, len(vals), 15):
+            chunk = vals[start:start + 15]
+            blocks.append([6.0 * d] + [v * s for v, s in zip(chunk, [1, -1] * 8)] + [0.0] * (15 - len(chunk)))
+    x = torch.tensor(blocks, dtype=torch.float32).reshape(1, -1)
+    x = torch.cat((x, x.flip(1)), dim=0).cuda()
+    got, ref = ops.quantize_nvfp4_rows(x), _spec_rows(x)
+    assert_bitwise_equal(got, ref, "boundaries")
+    codes = formats.unpack_fp4(formats.unpack_nvfp4_rows(ref, x.shape[1])[0]) & 7
+    assert len(set(codes.reshape(-1).tolist())) == 8  # every E2M1 magnitude was produced

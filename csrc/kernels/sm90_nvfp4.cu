@@ -10,8 +10,8 @@
 //      float32(x / d) rounded to E2M1 (nearest even, saturating at 6, sign kept), and the row
 //      [H/2 packed | H/16 E4M3 scales | FP32 gs]. A block holding NaN or Inf gets scale 0x7F and
 //      zero codes; a block whose d is 0 gets zero codes.
-// Every division is IEEE (float32 divisions of float32 operands equal the spec's float64 division
-// rounded to float32).
+// Every quotient is the IEEE float32 one (a float32 division of float32 operands equals the spec's
+// float64 division rounded to float32); the elements get it from the block's reciprocal and two FMAs.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 
@@ -23,6 +23,8 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kNvfp4Block = 16;
 constexpr float kGlobalDenom = 2688.0f;  // 6 * 448, exact in float32
 constexpr uint32_t kE4m3Nan = 0x7Fu;
+constexpr float kFastMin = 8.673617379884035e-19f;  // 2^-60: block divisors taking the reciprocal path
+constexpr float kFastMax = 1.152921504606847e18f;   // 2^60
 
 // Elements of one 16-byte piece of a row.
 template <FloatInput kType>
@@ -169,11 +171,28 @@ __global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_kernel(const Quantiz
       const float d = __fmul_rn(e4m3_value(scale_code), gs);
       if (d > 0.0f) {
         uint32_t w[2] = {0u, 0u};
+        if (d >= kFastMin && d <= kFastMax) {
+          // |x| / d correctly rounded without a division per element (Markstein): with y = RN(1/d)
+          // and q0 = RN(|x| y) (within one ulp of |x| / d), the remainder |x| - q0 d is exact in
+          // one FMA and q0 + r y rounds to RN(|x| / d). d in [2^-60, 2^60] keeps every step clear
+          // of overflow and keeps the remainder normal wherever the quotient is near an E2M1
+          // rounding boundary (q >= 1/4); below that every quotient gives code 0 anyway.
+          const float y = __frcp_rn(d);
 #pragma unroll
-        for (int i = 0; i < kNvfp4Block; ++i) {
-          const float q = __fdiv_rn(f[i], d);
-          const uint32_t code = (e2m1_magnitude(fabsf(q)) | ((__float_as_uint(q) >> 28) & 8u));
-          w[i / 8] |= code << (4 * (i % 8));
+          for (int i = 0; i < kNvfp4Block; ++i) {
+            const float a = fabsf(f[i]);
+            const float q0 = __fmul_rn(a, y);
+            const float q = __fmaf_rn(__fmaf_rn(-q0, d, a), y, q0);
+            const uint32_t code = e2m1_magnitude(q) | ((__float_as_uint(f[i]) >> 28) & 8u);
+            w[i / 8] |= code << (4 * (i % 8));
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < kNvfp4Block; ++i) {
+            const float q = __fdiv_rn(f[i], d);
+            const uint32_t code = e2m1_magnitude(fabsf(q)) | ((__float_as_uint(q) >> 28) & 8u);
+            w[i / 8] |= code << (4 * (i % 8));
+          }
         }
         packed = make_uint2(w[0], w[1]);
       }
