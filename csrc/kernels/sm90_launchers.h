@@ -165,4 +165,21 @@ struct QuantizeNvfp4RowsParams {
 };
 cudaError_t launch_quantize_nvfp4_rows(const QuantizeNvfp4RowsParams& p, cudaStream_t stream);
 
+// FP4RowToFP8Row fused with the expansion to expert rows: MXFP4 byte rows [n, H/2 + H/32] -> E4M3
+// [R, H] + FP32 scales [R, H/128], received row t converted once and written to output row
+// slots[t, j] for every j whose slot lies in [0, R) (the other slots are skipped). Output rows named
+// by no slot are not written.
+struct Mxfp4ExpandFp8RowsParams {
+  const uint8_t* rows;       // uint8 [n, H/2 + H/32] (row stride row_stride bytes, 4-byte aligned rows)
+  long long row_stride;
+  const long long* slots;    // int64 [n, k]: the output row of each (row, slot), -1 for none
+  int k;                     // slots per row, 1..32
+  uint8_t* out;              // float8_e4m3fn [R, H]
+  float* out_scales;         // float32 [R, H/128]
+  long long tokens;          // n
+  long long num_rows;        // R
+  int hidden;                // H, a multiple of 128
+};
+cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cudaStream_t stream);
+
 }  // namespace moe_fp4
