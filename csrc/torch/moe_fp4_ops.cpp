@@ -442,6 +442,46 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   return out;
 }
 
+// MXFP4 byte rows uint8 [n, H/2 + H/32], slots int64 [n, k] (output row of each (row, slot), -1: none)
+// -> (e4m3 [num_rows, H], float32 [num_rows, H/128]): row t converted once (FP4RowToFP8Row) and written
+// to each of its slots' rows. Rows named by no slot are left unwritten (the caller names each once).
+std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hidden, const Tensor& slots,
+                                                 int64_t num_rows) {
+  MOE_FP4_CHECK_CUDA(rows, "rows");
+  MOE_FP4_CHECK_DTYPE(rows, at::kByte, "rows");
+  MOE_FP4_CHECK_DIM(rows, 2, "rows");
+  MOE_FP4_CHECK_INNER(rows, "rows");
+  TORCH_CHECK(hidden > 0 && hidden % 128 == 0, "hidden: expected a positive multiple of 128, got ", hidden);
+  TORCH_CHECK(rows.size(1) == hidden / 2 + hidden / 32, "rows: expected ", hidden / 2 + hidden / 32,
+              " bytes per row for hidden ", hidden, ", got ", rows.size(1));
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
+              "rows: rows must be 4-byte aligned");
+  MOE_FP4_CHECK_SAME_DEVICE(slots, rows, "slots");
+  MOE_FP4_CHECK_DTYPE(slots, at::kLong, "slots");
+  MOE_FP4_CHECK_DIM(slots, 2, "slots");
+  TORCH_CHECK(slots.is_contiguous(), "slots: expected a contiguous tensor");
+  TORCH_CHECK(slots.size(0) == rows.size(0), "slots: expected ", rows.size(0), " rows (one per byte row), got ",
+              slots.size(0));
+  TORCH_CHECK(slots.size(1) >= 1 && slots.size(1) <= 32, "slots: expected 1 to 32 slots per row, got ", slots.size(1));
+  TORCH_CHECK(num_rows >= 0, "num_rows: expected a non-negative count, got ", num_rows);
+  const c10::cuda::CUDAGuard guard(rows.device());
+  Tensor out = at::empty({num_rows, hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({num_rows, hidden / 128}, rows.options().dtype(at::kFloat));
+  if (rows.size(0) == 0 || num_rows == 0) return {out, out_scales};
+  moe_fp4::Mxfp4ExpandFp8RowsParams p{};
+  p.rows = rows.data_ptr<uint8_t>();
+  p.row_stride = rows.stride(0);
+  p.slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());
+  p.k = static_cast<int>(slots.size(1));
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.tokens = rows.size(0);
+  p.num_rows = num_rows;
+  p.hidden = static_cast<int>(hidden);
+  check_launch(moe_fp4::launch_mxfp4_expand_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_expand_fp8");
+  return {out, out_scales};
+}
+
 // x [T, H] float -> NVFP4 byte rows uint8 [T, H/2 + H/16 + 4] (packed E2M1 | E4M3 block scales | the
 // FP32 tensor scale of the whole x): formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x)).
 Tensor quantize_nvfp4_rows(const Tensor& x) {
@@ -495,6 +535,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("transpose"));
   m.def("dequantize_mxfp4_bf16", &dequantize_mxfp4_bf16, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
         py::arg("scales"));
+  m.def("mxfp4_rows_expand_fp8", &mxfp4_rows_expand_fp8,
+        "MXFP4 byte rows -> FP8 1x128 rows, each written to its slots' rows", py::arg("rows"), py::arg("hidden"),
+        py::arg("slots"), py::arg("num_rows"));
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
 }
