@@ -14,6 +14,8 @@ custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile t
                                FP32 tensor scale of the whole batch): the nvfp4 dispatch payload
   mxfp4_to_fp8_blockwise       FP4RowToFP8Row: MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
+  mxfp4_rows_expand_fp8_blockwise  the same from byte rows, each row written to several output rows (the
+                               dispatch's expansion of received tokens to one FP8 row per local expert)
   mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
   quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
   quantize_fp8_rows_cols       float [M, K] -> FP8 1x128 of x and of x^T in one pass (the GEMM operands of
@@ -55,6 +57,7 @@ from moe_fp4.ops import build as _build_command  # noqa: F401  (loaded first: `b
 __all__ = [
     "build",
     "dequantize_mxfp4",
+    "mxfp4_rows_expand_fp8_blockwise",
     "mxfp4_rows_to_fp8_blockwise",
     "mxfp4_rows_to_fp8_cols",
     "mxfp4_to_fp8_blockwise",
@@ -452,3 +455,35 @@ def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
     """
     _float_rows(x, 16)
     return _ops.quantize_nvfp4_rows_op(x)
+
+
+def mxfp4_rows_expand_fp8_blockwise(
+    rows: torch.Tensor, hidden: int, slots: torch.Tensor, num_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4RowToFP8Row fused with the expansion to expert rows: each byte row converted once and
+    written to each of its output rows.
+
+    rows: uint8 [n, H/2 + H/32] (formats.pack_mxfp4_rows layout, 4-byte aligned rows); hidden: H, a
+      multiple of 128; slots: int64 [n, k] (1 <= k <= 32) on rows' device, the output row of each
+      (row, slot), -1 for none (slots outside [0, num_rows) are skipped); num_rows: R >= 0.
+    Returns (float8_e4m3fn [R, H], float32 [R, H/128]): output row slots[t, j] is the FP8 1x128 of
+    rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). The caller names every output row once;
+    a row named by no slot is left unwritten on CUDA (zeros in the spec fallback).
+    """
+    _tensor(rows, "rows", (torch.uint8,), 2)
+    if not isinstance(hidden, int) or hidden <= 0 or hidden % formats.FP8_GROUP:
+        raise ValueError(f"hidden: expected a positive multiple of {formats.FP8_GROUP}, got {hidden!r}")
+    if rows.shape[1] != formats.mxfp4_row_bytes(hidden):
+        raise ValueError(f"rows: expected {formats.mxfp4_row_bytes(hidden)} bytes per row for hidden {hidden}, "
+                         f"got {rows.shape[1]}")
+    if rows.shape[0] and rows.stride(1) != 1:
+        raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
+    _tensor(slots, "slots", (torch.int64,), 2)
+    _same_device(slots, rows, "slots")
+    if slots.shape[0] != rows.shape[0] or not 1 <= slots.shape[1] <= 32:
+        raise ValueError(f"slots: expected shape ({rows.shape[0]}, k) with 1 <= k <= 32, got {tuple(slots.shape)}")
+    if not slots.is_contiguous():
+        raise ValueError(f"slots: expected a contiguous tensor, got strides {slots.stride()}")
+    if not isinstance(num_rows, int) or num_rows < 0:
+        raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
+    return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)

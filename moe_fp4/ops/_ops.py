@@ -342,3 +342,28 @@ def quantize_nvfp4_rows_op(x: torch.Tensor) -> torch.Tensor:
 def _(x):
     t, h = x.shape
     return x.new_empty((t, formats.nvfp4_row_bytes(h)), dtype=torch.uint8)
+
+
+def _spec_expand_fp8_rows(rows, hidden, slots, num_rows):
+    data, scales, _underflow = formats.mxfp4_to_fp8_blockwise(*formats.unpack_mxfp4_rows(rows, hidden))
+    out = torch.zeros(num_rows, hidden, dtype=torch.uint8, device=rows.device)
+    out_scales = torch.zeros(num_rows, hidden // formats.FP8_GROUP, dtype=torch.float32, device=rows.device)
+    token = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(slots)
+    keep = (slots >= 0) & (slots < num_rows)  # as the kernel: slots outside the output are skipped
+    out[slots[keep]] = data.view(torch.uint8)[token[keep]]
+    out_scales[slots[keep]] = scales[token[keep]]
+    return out.view(FP8), out_scales
+
+
+@torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8", mutates_args=())
+def mxfp4_rows_expand_fp8_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor,
+                             num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_for(rows) and rows.data_ptr() % 4 == 0 and (rows.shape[0] <= 1 or rows.stride(0) % 4 == 0):
+        return _native.module().mxfp4_rows_expand_fp8(rows, hidden, slots, num_rows)
+    return _spec_expand_fp8_rows(rows, hidden, slots, num_rows)
+
+
+@mxfp4_rows_expand_fp8_op.register_fake
+def _(rows, hidden, slots, num_rows):
+    return (rows.new_empty((num_rows, hidden), dtype=FP8),
+            rows.new_empty((num_rows, hidden // formats.FP8_GROUP), dtype=torch.float32))

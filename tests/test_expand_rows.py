@@ -1,0 +1,109 @@
+"""FP4RowToFP8Row fused with the expansion to expert rows (ops.mxfp4_rows_expand_fp8_blockwise, the
+receive side of the mxfp4 dispatch): every output row equals the spec's conversion of its token's row."""
+
+import pytest
+import torch
+
+from moe_fp4 import formats, ops
+from moe_fp4.ep.payloads import get_payload
+from tests._compare import assert_bitwise_equal
+
+
+def _routing(n: int, k: int, experts: int, local: int, device) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """slots int64 [n, k] for top-k routing over `experts` experts of which the first `local` are
+    here, output rows in expert order; also the number of output rows and the token of each."""
+    topk = torch.randn(n, experts).topk(k, dim=1).indices
+    pairs = (topk < local).nonzero()
+    order = torch.argsort(topk[pairs[:, 0], pairs[:, 1]] * n + pairs[:, 0])
+    out_row = torch.empty_like(order)
+    out_row[order] = torch.arange(order.numel())
+    slots = torch.full((n, k), -1, dtype=torch.int64)
+    slots[pairs[:, 0], pairs[:, 1]] = out_row
+    token = torch.empty(order.numel(), dtype=torch.int64)
+    token[out_row] = pairs[:, 0]
+    return slots.to(device), int(order.numel()), token.to(device)
+
+
+def _mxfp4_rows(n: int, h: int, device, special: bool = False) -> torch.Tensor:
+    x = torch.randn(n, h) * torch.exp2(torch.randint(-20, 20, (n, h // 32, 1)).float()).repeat_interleave(
+        32, dim=1).reshape(n, h)
+    rows = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    if special and n:
+        scales = rows[:, h // 2:]
+        scales[0, 0] = 0xFF  # a NaN block: its group converts to NaN scale and zero data
+        scales[n // 2, -1] = 0
+        scales[-1, 1] = 254
+    return rows.to(device)
+
+
+def _expected(rows, h, token):
+    data, scales, _ = formats.mxfp4_to_fp8_blockwise(*formats.unpack_mxfp4_rows(rows, h))
+    return data[token], scales[token]
+
+
+def test_spec_fallback_and_checks():
+    rows = _mxfp4_rows(40, 256, "cpu", special=True)
+    slots, num_rows, token = _routing(40, 4, 16, 8, "cpu")
+    data, scales = ops.mxfp4_rows_expand_fp8_blockwise(rows, 256, slots, num_rows)
+    ref_d, ref_s = _expected(rows, 256, token)
+    assert_bitwise_equal(data, ref_d, "data")
+    assert_bitwise_equal(scales, ref_s, "scales")
+    with pytest.raises(ValueError, match="hidden"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, 96, slots, num_rows)
+    with pytest.raises(ValueError, match="slots"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, 256, slots[:3], num_rows)
+    with pytest.raises(ValueError, match="slots"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, 256, slots.t().contiguous().t(), num_rows)
+    with pytest.raises(ValueError, match="slots"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, 256, slots.to(torch.int32), num_rows)
+    with pytest.raises(ValueError, match="num_rows"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, 256, slots, -1)
+    plain = _mxfp4_rows(40, 256, "cpu")  # no NaN group: opcheck compares outputs with ==
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8.default, (plain, 256, slots, num_rows))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,h,k,experts,local", [(4096, 7168, 8, 256, 128), (37, 2048, 8, 64, 16), (5, 128, 1, 4, 2),
+                                                  (300, 4096, 32, 64, 40), (1, 7168, 8, 16, 16)])
+def test_native_equals_spec(n, h, k, experts, local):
+    rows = _mxfp4_rows(n, h, "cuda", special=True)
+    slots, num_rows, token = _routing(n, k, experts, local, "cuda")
+    data, scales = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows)
+    ref_d, ref_s = _expected(rows, h, token)
+    assert_bitwise_equal(data, ref_d, f"data {n}x{h} k={k}")
+    assert_bitwise_equal(scales, ref_s, f"scales {n}x{h} k={k}")
+
+
+@pytest.mark.gpu
+def test_native_skips_out_of_range_slots_and_keeps_row_layouts():
+    h = 128  # 68-byte rows: 4-byte aligned loads
+    rows = _mxfp4_rows(6, h, "cuda")
+    slots = torch.tensor([[0, 7], [-1, -1], [1, -5], [2, 3], [100, 4], [5, -1]], device="cuda")
+    data, scales = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, 6)
+    token = torch.tensor([0, 2, 3, 3, 4, 5], device="cuda")
+    ref_d, ref_s = _expected(rows, h, token)
+    assert_bitwise_equal(data, ref_d, "data")
+    assert_bitwise_equal(scales, ref_s, "scales")
+    base = torch.zeros(7, formats.mxfp4_row_bytes(2048) + 4, dtype=torch.uint8, device="cuda")
+    base[:, :-4] = _mxfp4_rows(7, 2048, "cuda")
+    strided = base[:, :-4]  # rows 4-byte aligned, not 8
+    slots, num_rows, token = _routing(7, 4, 8, 6, "cuda")
+    data, scales = ops.mxfp4_rows_expand_fp8_blockwise(strided, 2048, slots, num_rows)
+    ref_d, ref_s = _expected(strided.contiguous(), 2048, token)
+    assert_bitwise_equal(data, ref_d, "strided data")
+    assert_bitwise_equal(scales, ref_s, "strided scales")
+    empty = ops.mxfp4_rows_expand_fp8_blockwise(rows[:0], h, slots[:0, :2], 0)
+    assert empty[0].shape == (0, h) and empty[1].shape == (0, 1)
+
+
+@pytest.mark.gpu
+def test_payload_expansion_equals_the_gather_path():
+    h, n = 2048, 500
+    rows = _mxfp4_rows(n, h, "cuda")
+    slots, num_rows, token = _routing(n, 8, 64, 32, "cuda")
+    codec = get_payload("mxfp4")
+    data, scales = codec.expand_fp8_blockwise(rows, h, slots, num_rows, token)
+    ref_d, ref_s = codec.gather_fp8_blockwise(rows, h, token)
+    assert_bitwise_equal(data, ref_d, "data")
+    assert_bitwise_equal(scales, ref_s, "scales")
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8.default, (rows, h, slots, num_rows))
