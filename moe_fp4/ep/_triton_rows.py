@@ -183,7 +183,7 @@ def mxfp4_rows_to_fp8_scatter(rows: torch.Tensor, hidden: int, slot_table: torch
 
 # (128-element groups per program, warps) tried by the scatter conversion on its first call per
 # (device, hidden, k); every one writes the same bits, the fastest is kept
-SCATTER_CONFIGS = ((8, 4), (8, 2), (16, 4))
+SCATTER_CONFIGS = ((8, 4), (8, 2), (16, 4), (32, 8), (64, 8))
 _SCATTER_CHOICE: dict = {}
 
 
