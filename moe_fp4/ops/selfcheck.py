@@ -83,6 +83,21 @@ def run(device: str = "cuda") -> bool:
             wd, ws = formats.quantize_fp8_blockwise(xd[:128], block=(128, 128))
             for got, w, what in zip(ops.quantize_fp8_tiles(xd[:128]), (wd, ws, wd.t()), ("data", "scales", "data_t")):
                 ok &= _same(f"quantize_fp8_tiles h={h} {dtype} {what}", got, w)
+        # the dispatch's receive side: each row written to its slots' rows (-1 and out-of-range skipped)
+        r = n + 4 + n  # rows perm (n of the first n + 4), then n + 4 + t for the second slot of row t
+        second = torch.arange(n, device=device) + n + 4
+        slots = torch.stack((perm, second, torch.full_like(perm, -1)), dim=1)
+        slots[0, 2], slots[1, 2] = r, -7
+        data, scales, _ = formats.mxfp4_to_fp8_blockwise(*formats.unpack_mxfp4_rows(rows, h))
+        token = torch.full((r,), -1, dtype=torch.int64, device=device)
+        token[perm], token[second] = torch.arange(n, device=device), torch.arange(n, device=device)
+        named = token >= 0
+        got = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, r)
+        ok &= _same(f"mxfp4_rows_expand_fp8_blockwise h={h} data", got[0][named], data[token[named]])
+        ok &= _same("  scales", got[1][named], scales[token[named]])
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            ok &= _same(f"quantize_nvfp4_rows h={h} {dtype}", ops.quantize_nvfp4_rows(x.to(dtype)),
+                        formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x.to(dtype))))
     if device != "cpu":
         torch.cuda.synchronize()
     return ok
