@@ -283,8 +283,10 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
                                                                                    plan["recv_rank"], b.bases))),
         ("device barrier", timer(lambda: b.barrier(0))),
         ("FP8 per received token (native)", timer(lambda: codec.to_fp8_blockwise(recv, hidden))),
-        ("FP8 expert rows, fused Triton conversion + expansion", timer(lambda: codec.expand_fp8_blockwise(
+        ("FP8 expert rows, fused conversion + expansion (native)", timer(lambda: codec.expand_fp8_blockwise(
             recv, hidden, h.slot_table, h.num_rows, h.expand_row))),
+        ("FP8 expert rows, fused conversion + expansion (Triton)", timer(lambda: _triton_rows.mxfp4_rows_to_fp8_scatter(
+            recv, hidden, h.slot_table, h.num_rows))),
         ("FP8 expert rows, native + gather", timer(lambda: PayloadCodec.gather_fp8_blockwise(codec, recv, hidden,
                                                                                              h.expand_row))),
         ("combine: local partial sums", timer(lambda: _triton_combine.gather_sum(y, h.slot_table, h.recv_topk_weights,

@@ -180,7 +180,7 @@ class DispatchOutput:
     def to_fp8_blockwise(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(float8_e4m3fn [N, H], float32 [N, H/128]) in the order of ``rows``: the FP8 1x128
         operand of the expert GEMMs. Each received token is converted once and written to each of
-        its rows (mxfp4 on CUDA: one Triton pass, ``PayloadCodec.expand_fp8_blockwise``; the
+        its rows (mxfp4 on CUDA: one native pass, ``PayloadCodec.expand_fp8_blockwise``; the
         conversion is row by row, so the bits equal converting ``rows``)."""
         if self.fp8 is None:
             h = self.handle
