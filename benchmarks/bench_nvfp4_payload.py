@@ -9,6 +9,12 @@ and with the quantizer under ``torch.compile``). Timing as ``moe_fp4.ops.bench``
 times, inputs rotated over sets larger than 3x L2. GB/s counts the bytes the op must move once (BF16 read once,
 rows written), so the NVFP4 rows' second read of the input (the amax pass) shows as a lower share of
 the copy ceiling, measured in the same run.
+
+With ``--torchao`` (torchao installed), torchao's NVFP4 quantizer on the same tokens for comparison:
+``torch.compile`` of the tensor amax, ``per_tensor_amax_to_scale`` and ``nvfp4_quantize`` (its
+non-Triton path; the Triton one needs the MSLK package). Its numerics differ from the spec's (it
+multiplies by a reciprocal scale and clamps block scales below at E4M3's smallest subnormal), so only
+the time and the share of equal packed bytes are reported.
 """
 
 from __future__ import annotations
@@ -26,7 +32,22 @@ def _spec_rows(x: torch.Tensor) -> torch.Tensor:
     return formats.pack_nvfp4_rows(*formats.quantize_nvfp4(x))
 
 
-def _bench_shape(t: int, h: int, reps: int, ceiling: float, compiled, eager: bool) -> None:
+def _torchao_quantizer():
+    """torch.compile of torchao's NVFP4 quantization with a tensor scale from the amax, or None."""
+    try:
+        from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
+    except Exception as e:  # noqa: BLE001  (torchao missing or incompatible with this torch)
+        print(f"torchao: not available ({type(e).__name__}: {e})")
+        return None
+
+    def quantize(x):
+        scale = per_tensor_amax_to_scale(x.abs().amax())
+        return nvfp4_quantize(x, 16, scale)
+
+    return torch.compile(quantize, dynamic=False)
+
+
+def _bench_shape(t: int, h: int, reps: int, ceiling: float, compiled, eager: bool, torchao=None) -> None:
     ns = _sets(t * h * 2)
     xs = [torch.randn(t, h, device="cuda", dtype=torch.bfloat16) for _ in range(ns)]
     assert torch.equal(ops.quantize_nvfp4_rows(xs[0]), _spec_rows(xs[0])), "native rows differ from the spec"
@@ -47,6 +68,13 @@ def _bench_shape(t: int, h: int, reps: int, ceiling: float, compiled, eager: boo
     row("nvfp4 rows (ops.quantize_nvfp4_rows)", us, t * formats.nvfp4_row_bytes(h), eager_us, compiled_us)
     us = _median_us(lambda i: ops.quantize_mxfp4_rows(xs[i]), ns, reps)
     row("mxfp4 rows (ops.quantize_mxfp4_rows)", us, t * formats.mxfp4_row_bytes(h))
+    if torchao is not None:
+        _, data = torchao(xs[0])
+        ours = formats.unpack_nvfp4_rows(ops.quantize_nvfp4_rows(xs[0]), h)[0]
+        same = (data.view(torch.uint8).reshape(ours.shape) == ours).float().mean().item()
+        us = _median_us(lambda i: torchao(xs[i]), ns, reps)
+        row(f"torchao nvfp4_quantize, compiled ({100 * same:.1f}% of packed bytes equal)", us,
+            t * (h // 2 + h // 16))
 
 
 def main() -> int:
@@ -55,6 +83,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=7168)
     ap.add_argument("--reps", type=int, default=40)
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile of the spec")
+    ap.add_argument("--torchao", action="store_true", help="also time torchao's NVFP4 quantizer")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU")
@@ -69,9 +98,10 @@ def main() -> int:
 
         def compiled(x):
             return formats.pack_nvfp4_rows(*quantize(x))
+    torchao = _torchao_quantizer() if args.torchao else None
     for t in args.tokens:
         _bench_shape(t, args.hidden, args.reps, ceiling, compiled if t == args.tokens[0] else None,
-                     eager=t == args.tokens[0])
+                     eager=t == args.tokens[0], torchao=torchao)
     return 0
 
 
