@@ -16,7 +16,7 @@ def test_measured_bytes_per_token(hidden):
     assert sizes["fp8"]["per_token"] == hidden + 4 * hidden // 128
     assert sizes["mxfp8"]["per_token"] == hidden + hidden // 32
     assert sizes["mxfp4"]["per_token"] == hidden // 2 + hidden // 32
-    assert sizes["nvfp4"]["per_token"] == hidden // 2 + hidden // 16 and sizes["nvfp4"]["per_message"] == 4
+    assert sizes["nvfp4"]["per_token"] == hidden // 2 + hidden // 16 + 4 and sizes["nvfp4"]["per_message"] == 0
     ratio = sizes["mxfp4"]["per_token"] / sizes["fp8"]["per_token"]
     assert ratio == pytest.approx((0.5 + 1 / 32) / (1 + 4 / 128))
 

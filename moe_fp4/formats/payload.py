@@ -14,7 +14,7 @@ import torch
 from moe_fp4.formats.fp8_blockwise import quantize_fp8_blockwise
 from moe_fp4.formats.mx import quantize_mxfp4, quantize_mxfp8
 from moe_fp4.formats.nvfp4 import quantize_nvfp4
-from moe_fp4.formats.packing import pack_mxfp4_rows
+from moe_fp4.formats.packing import pack_mxfp4_rows, pack_nvfp4_rows
 
 PAYLOAD_FORMATS = ("bf16", "fp8", "mxfp8", "mxfp4", "nvfp4")
 
@@ -27,7 +27,8 @@ def measure_payload_bytes(hidden: int, sample_tokens: int = 16) -> dict[str, dic
     """Quantize ``sample_tokens`` random BF16 tokens of size ``hidden`` in every payload format.
 
     Returns {format: {"per_token": bytes per token row, "per_message": bytes sent once per message}}.
-    The nvfp4 tensor scale (4 bytes) travels once per message, not per token.
+    The nvfp4 row is the dispatch's (``pack_nvfp4_rows``): it carries the sender's 4-byte tensor scale,
+    so that rows of several senders decode together.
     """
     if hidden <= 0 or hidden % 128:
         raise ValueError(f"hidden: expected a positive multiple of 128, got {hidden}")
@@ -37,8 +38,7 @@ def measure_payload_bytes(hidden: int, sample_tokens: int = 16) -> dict[str, dic
     out["fp8"] = {"per_token": _nbytes(*quantize_fp8_blockwise(x)) / sample_tokens, "per_message": 0}
     out["mxfp8"] = {"per_token": _nbytes(*quantize_mxfp8(x)) / sample_tokens, "per_message": 0}
     out["mxfp4"] = {"per_token": _nbytes(pack_mxfp4_rows(*quantize_mxfp4(x))) / sample_tokens, "per_message": 0}
-    packed, scales, gscale = quantize_nvfp4(x)
-    out["nvfp4"] = {"per_token": _nbytes(packed, scales) / sample_tokens, "per_message": _nbytes(gscale)}
+    out["nvfp4"] = {"per_token": _nbytes(pack_nvfp4_rows(*quantize_nvfp4(x))) / sample_tokens, "per_message": 0}
     return out
 
 
