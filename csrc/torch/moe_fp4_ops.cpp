@@ -289,10 +289,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_rows(const Tensor& packed, const
                          scales.stride(0), packed.size(0), packed.size(1) * 2, split_lens, split_offsets);
 }
 
-// rows uint8 [N, H/2 + H/32] (byte rows) -> as mxfp4_to_fp8_rows.
-std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& rows, int64_t hidden,
-                                                               const std::optional<Tensor>& split_lens,
-                                                               const std::optional<Tensor>& split_offsets) {
+// MXFP4 byte rows uint8 [N, H/2 + H/32] on CUDA, H a multiple of 128 (an FP8 1x128 output).
+void check_mxfp4_byte_rows(const Tensor& rows, int64_t hidden) {
   MOE_FP4_CHECK_CUDA(rows, "rows");
   MOE_FP4_CHECK_DTYPE(rows, at::kByte, "rows");
   MOE_FP4_CHECK_DIM(rows, 2, "rows");
@@ -300,6 +298,13 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
   TORCH_CHECK(hidden > 0 && hidden % 128 == 0, "hidden: expected a positive multiple of 128, got ", hidden);
   TORCH_CHECK(rows.size(1) == hidden / 2 + hidden / 32, "rows: expected ", hidden / 2 + hidden / 32,
               " bytes per row for hidden ", hidden, ", got ", rows.size(1));
+}
+
+// rows uint8 [N, H/2 + H/32] (byte rows) -> as mxfp4_to_fp8_rows.
+std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& rows, int64_t hidden,
+                                                               const std::optional<Tensor>& split_lens,
+                                                               const std::optional<Tensor>& split_offsets) {
+  check_mxfp4_byte_rows(rows, hidden);
   const uint8_t* base = rows.data_ptr<uint8_t>();
   return fp8_rows_common(rows, base, rows.stride(0), base + hidden / 2, rows.stride(0), rows.size(0), hidden,
                          split_lens, split_offsets);
@@ -447,13 +452,7 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
 // to each of its slots' rows. Rows named by no slot are left unwritten (the caller names each once).
 std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hidden, const Tensor& slots,
                                                  int64_t num_rows) {
-  MOE_FP4_CHECK_CUDA(rows, "rows");
-  MOE_FP4_CHECK_DTYPE(rows, at::kByte, "rows");
-  MOE_FP4_CHECK_DIM(rows, 2, "rows");
-  MOE_FP4_CHECK_INNER(rows, "rows");
-  TORCH_CHECK(hidden > 0 && hidden % 128 == 0, "hidden: expected a positive multiple of 128, got ", hidden);
-  TORCH_CHECK(rows.size(1) == hidden / 2 + hidden / 32, "rows: expected ", hidden / 2 + hidden / 32,
-              " bytes per row for hidden ", hidden, ", got ", rows.size(1));
+  check_mxfp4_byte_rows(rows, hidden);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
               "rows: rows must be 4-byte aligned");
   MOE_FP4_CHECK_SAME_DEVICE(slots, rows, "slots");

@@ -134,6 +134,16 @@ def _splits(split_lens, split_offsets, ref, required=False):
                              f"got {tuple(split_offsets.shape)}")
 
 
+def _mxfp4_byte_rows(rows, hidden):
+    """rows: uint8 [N, H/2 + H/32] MXFP4 byte rows; hidden: H, a multiple of 128 (FP8 1x128 outputs)."""
+    _tensor(rows, "rows", (torch.uint8,), 2)
+    if not isinstance(hidden, int) or hidden <= 0 or hidden % formats.FP8_GROUP:
+        raise ValueError(f"hidden: expected a positive multiple of {formats.FP8_GROUP}, got {hidden!r}")
+    if rows.shape[1] != formats.mxfp4_row_bytes(hidden):
+        raise ValueError(f"rows: expected {formats.mxfp4_row_bytes(hidden)} bytes per row for hidden {hidden}, "
+                         f"got {rows.shape[1]}")
+
+
 def _packed_scales(packed, scales, fp8=True):
     _tensor(packed, "packed", (torch.uint8,), 2)
     _tensor(scales, "scales", (torch.uint8,), 2)
@@ -336,12 +346,7 @@ def mxfp4_rows_to_fp8_blockwise(
     rows: uint8 [N, H/2 + H/32] (formats.pack_mxfp4_rows layout); hidden: H, a multiple of 128.
     Same splits and results as mxfp4_to_fp8_blockwise (rows outside every segment: zero data/scales).
     """
-    _tensor(rows, "rows", (torch.uint8,), 2)
-    if not isinstance(hidden, int) or hidden <= 0 or hidden % formats.FP8_GROUP:
-        raise ValueError(f"hidden: expected a positive multiple of {formats.FP8_GROUP}, got {hidden!r}")
-    if rows.shape[1] != formats.mxfp4_row_bytes(hidden):
-        raise ValueError(f"rows: expected {formats.mxfp4_row_bytes(hidden)} bytes per row for hidden {hidden}, "
-                         f"got {rows.shape[1]}")
+    _mxfp4_byte_rows(rows, hidden)
     _splits(split_lens, split_offsets, rows)
     return _ops.mxfp4_rows_to_fp8_blockwise_op(rows, hidden, split_lens, split_offsets)
 
@@ -470,12 +475,7 @@ def mxfp4_rows_expand_fp8_blockwise(
     rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). The caller names every output row once;
     a row named by no slot is left unwritten on CUDA (zeros in the spec fallback).
     """
-    _tensor(rows, "rows", (torch.uint8,), 2)
-    if not isinstance(hidden, int) or hidden <= 0 or hidden % formats.FP8_GROUP:
-        raise ValueError(f"hidden: expected a positive multiple of {formats.FP8_GROUP}, got {hidden!r}")
-    if rows.shape[1] != formats.mxfp4_row_bytes(hidden):
-        raise ValueError(f"rows: expected {formats.mxfp4_row_bytes(hidden)} bytes per row for hidden {hidden}, "
-                         f"got {rows.shape[1]}")
+    _mxfp4_byte_rows(rows, hidden)
     if rows.shape[0] and rows.stride(1) != 1:
         raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
     _tensor(slots, "slots", (torch.int64,), 2)
