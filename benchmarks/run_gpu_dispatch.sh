@@ -22,9 +22,10 @@ build_rc=$?
 native=$(python -c "from moe_fp4 import ops; print('native_available', ops.native_available())" 2>&1 | tail -1)
 echo "build: $build_rc ($((SECONDS - t0)) s); $native"
 
-# the native row kernels of the dispatch (BF16ToFP4Row to one and to several destinations, row push)
-timeout -s INT -k 10 "${KTESTS_S:-60}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter}" \
-  tests/test_kernels_gpu.py > "$OUT/tests_kernels.log" 2>&1
+# the native row kernels of the dispatch (BF16ToFP4Row to one and to several destinations, row push, the
+# nvfp4 rows, the receive-side expansion to expert rows)
+timeout -s INT -k 10 "${KTESTS_S:-90}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter or nvfp4 or expand}" \
+  tests/test_kernels_gpu.py tests/test_nvfp4_rows.py tests/test_expand_rows.py > "$OUT/tests_kernels.log" 2>&1
 ktests_rc=$?
 echo "kernel tests: rc=$ktests_rc ($((SECONDS - t0)) s)"
 
@@ -43,7 +44,7 @@ if [ "${HF:-1}" = 1 ]; then
 fi
 
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  ${TOKENS:+--tokens "$TOKENS"} ${PROFILE:+--profile-layout} --formats "${FORMATS:-bf16,fp8,mxfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
+  ${TOKENS:+--tokens "$TOKENS"} ${PROFILE:+--profile-layout} --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"
