@@ -6,6 +6,9 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <string.h>
+
+#include "sm90_launchers.h"
 
 namespace moe_fp4 {
 
@@ -163,6 +166,68 @@ __host__ __device__ constexpr uint32_t e4m3_of_shifted_e2m1(int c, int d) {
 __host__ __device__ constexpr uint32_t remap_word(int d, int half) {
   return e4m3_of_shifted_e2m1(4 * half + 0, d) | (e4m3_of_shifted_e2m1(4 * half + 1, d) << 8) |
          (e4m3_of_shifted_e2m1(4 * half + 2, d) << 16) | (e4m3_of_shifted_e2m1(4 * half + 3, d) << 24);
+}
+
+// ---- Float rows (the quantizers' inputs) ----
+
+// Raw bits of 8 consecutive input elements: one 16-byte load for 16-bit inputs, two for float32.
+template <FloatInput kType>
+__device__ __forceinline__ void load_item(const void* row, int item, uint4 (&r)[2]) {
+  if constexpr (kType == FloatInput::kFloat32) {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const float*>(row) + item * 8);
+    r[0] = __ldcs(p);
+    r[1] = __ldcs(p + 1);
+  } else {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + item * 8);
+    r[0] = __ldcs(p);
+    r[1] = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <FloatInput kType>
+__device__ __forceinline__ void item_to_float(const uint4 (&r)[2], float (&f)[8]) {
+  if constexpr (kType == FloatInput::kFloat32) {
+    f[0] = __uint_as_float(r[0].x); f[1] = __uint_as_float(r[0].y);
+    f[2] = __uint_as_float(r[0].z); f[3] = __uint_as_float(r[0].w);
+    f[4] = __uint_as_float(r[1].x); f[5] = __uint_as_float(r[1].y);
+    f[6] = __uint_as_float(r[1].z); f[7] = __uint_as_float(r[1].w);
+  } else {
+    const uint32_t w[4] = {r[0].x, r[0].y, r[0].z, r[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (kType == FloatInput::kBFloat16) {
+        f[2 * i] = __uint_as_float(w[i] << 16);  // bf16 -> float32 is exact: the upper half
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      } else {
+        __half2 h;
+        memcpy(&h, &w[i], 4);
+        const float2 t = __half22float2(h);
+        f[2 * i] = t.x;
+        f[2 * i + 1] = t.y;
+      }
+    }
+  }
+}
+
+// ---- MXFP4 -> FP8 1x128 (formats.mxfp4_to_fp8_blockwise) ----
+
+// Largest of the 4 UE8M0 bytes of a 128-element group (one 32-bit word of a row's scale bytes).
+__device__ __forceinline__ uint32_t group_emax(uint32_t s4) {
+  const uint32_t m = max_u16x2(s4 & 0x00FF00FFu, (s4 >> 8) & 0x00FF00FFu);
+  return max(m & 0xFFFFu, m >> 16);
+}
+
+// FP32 scale of a group from its largest UE8M0 byte: 2^(emax - 127 - 6) (subnormal below emax 7).
+__device__ __forceinline__ float group_scale(uint32_t emax) {
+  if (emax == kUe8m0Nan) return __uint_as_float(kFloatNanBits);
+  return __uint_as_float(emax >= 7u ? (emax - 6u) << 23 : 1u << (emax + 16u));
+}
+
+// Eight E2M1 codes (one word) -> eight E4M3 bytes (two words) through the remap row (lo, hi).
+__device__ __forceinline__ void remap8(uint32_t w, uint32_t lo, uint32_t hi, uint32_t& out0, uint32_t& out1) {
+  const uint32_t sel = w & 0x77777777u;
+  out0 = __byte_perm(lo, hi, sel) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x1100));
+  out1 = __byte_perm(lo, hi, sel >> 16) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x3322));
 }
 
 // bf16 bits (high half of the float32 bits) of the 8 E2M1 magnitudes times the block scale, exact,

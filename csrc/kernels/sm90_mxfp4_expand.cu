@@ -32,23 +32,15 @@ constexpr ExpandRemap make_expand_remap() {
 
 __constant__ ExpandRemap kExpandRemap = make_expand_remap();
 
-// Largest of the 4 UE8M0 bytes of a 128-element group.
-__device__ __forceinline__ uint32_t group_emax(uint32_t s4) {
-  const uint32_t m = max_u16x2(s4 & 0x00FF00FFu, (s4 >> 8) & 0x00FF00FFu);
-  return max(m & 0xFFFFu, m >> 16);
-}
-
 // 16 E2M1 codes (8 packed bytes) of block scale byte e in a group whose largest byte is emax -> 16 E4M3
 // bytes: sign | remap[min(emax - e, 19)][magnitude]; a NaN group (emax 0xFF) gives zeros.
 __device__ __forceinline__ uint4 convert_item(uint2 raw, uint32_t e, uint32_t emax, const ExpandRemap& remap) {
-  if (emax == kUe8m0Nan) return make_uint4(0, 0, 0, 0);
+  uint4 o = make_uint4(0, 0, 0, 0);
+  if (emax == kUe8m0Nan) return o;
   const uint32_t d = min(emax - e, static_cast<uint32_t>(kRemapRows - 1));
-  const uint32_t lo = remap.word[d][0], hi = remap.word[d][1];
-  const uint32_t sel0 = raw.x & 0x77777777u, sel1 = raw.y & 0x77777777u;
-  return make_uint4(__byte_perm(lo, hi, sel0) | nibble_signs_to_bytes(__byte_perm(raw.x, 0, 0x1100)),
-                    __byte_perm(lo, hi, sel0 >> 16) | nibble_signs_to_bytes(__byte_perm(raw.x, 0, 0x3322)),
-                    __byte_perm(lo, hi, sel1) | nibble_signs_to_bytes(__byte_perm(raw.y, 0, 0x1100)),
-                    __byte_perm(lo, hi, sel1 >> 16) | nibble_signs_to_bytes(__byte_perm(raw.y, 0, 0x3322)));
+  remap8(raw.x, remap.word[d][0], remap.word[d][1], o.x, o.y);
+  remap8(raw.y, remap.word[d][0], remap.word[d][1], o.z, o.w);
+  return o;
 }
 
 template <bool kVec8>
@@ -110,9 +102,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(co
     const int g = g0 + lane;
     float s = 0.0f;
     if (g < groups) {
-      const uint32_t emax = group_emax(__ldg(reinterpret_cast<const uint32_t*>(scrow) + g));
-      s = emax == kUe8m0Nan ? __uint_as_float(kFloatNanBits)
-                            : __uint_as_float(emax >= 7u ? (emax - 6u) << 23 : 1u << (emax + 16u));
+      s = group_scale(group_emax(__ldg(reinterpret_cast<const uint32_t*>(scrow) + g)));
     }
     for (uint32_t m = targets; m != 0u; m &= m - 1u) {
       const long long r = __shfl_sync(0xFFFFFFFFu, slot, __ffs(m) - 1);

@@ -43,12 +43,6 @@ constexpr RemapTable make_remap_table() {
 
 __constant__ RemapTable kRemap = make_remap_table();
 
-// FP32 scale of a group from its largest UE8M0 byte: 2^(emax - 127 - 6) (subnormal below emax 7).
-__device__ __forceinline__ float group_scale(uint32_t emax) {
-  if (emax == kUe8m0Nan) return __uint_as_float(kFloatNanBits);
-  return __uint_as_float(emax >= 7u ? (emax - 6u) << 23 : 1u << (emax + 16u));
-}
-
 // 8 packed bytes (16 E2M1 codes) of a row.
 template <bool kVec8>
 __device__ __forceinline__ uint2 load_packed8(const uint8_t* p) {
@@ -58,13 +52,6 @@ __device__ __forceinline__ uint2 load_packed8(const uint8_t* p) {
     const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
     return make_uint2(__ldcs(q), __ldcs(q + 1));
   }
-}
-
-// Eight E2M1 codes (one word) -> eight E4M3 bytes (two words) through the remap row (lo, hi).
-__device__ __forceinline__ void remap8(uint32_t w, uint32_t lo, uint32_t hi, uint32_t& out0, uint32_t& out1) {
-  const uint32_t sel = w & 0x77777777u;
-  out0 = __byte_perm(lo, hi, sel) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x1100));
-  out1 = __byte_perm(lo, hi, sel >> 16) | nibble_signs_to_bytes(__byte_perm(w, 0, 0x3322));
 }
 
 __device__ __forceinline__ uint32_t count_underflow(uint32_t w, uint32_t zero_mask) {
@@ -126,8 +113,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
       for (int u = 0; u < kRowUnroll; ++u) {
         const int item = base + u * 32 + lane;
         if (!kFull && item >= items) continue;
-        const uint32_t m = max_u16x2(s4[u] & 0x00FF00FFu, (s4[u] >> 8) & 0x00FF00FFu);
-        const uint32_t emax = max(m & 0xFFFFu, m >> 16);  // the group's largest scale byte
+        const uint32_t emax = group_emax(s4[u]);
         uint4 o = make_uint4(0, 0, 0, 0);  // NaN group: zero data
         if (emax != kUe8m0Nan) {
           const uint32_t e = (s4[u] >> (8 * ((item >> 1) & 3))) & 0xFFu;
@@ -147,8 +133,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
     // The group scales, one per lane: 2^(emax - 127 - 6) of the group's largest scale byte.
     for (int g = lane; g < groups; g += 32) {
       const uint32_t s4 = __ldg(reinterpret_cast<const uint32_t*>(scrow) + g);
-      const uint32_t m = max_u16x2(s4 & 0x00FF00FFu, (s4 >> 8) & 0x00FF00FFu);
-      srow[g] = group_scale(max(m & 0xFFFFu, m >> 16));
+      srow[g] = group_scale(group_emax(s4));
     }
   }
 #pragma unroll

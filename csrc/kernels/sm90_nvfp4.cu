@@ -85,36 +85,14 @@ __global__ void __launch_bounds__(kThreads) sm90_nvfp4_amax_kernel(const Quantiz
   if (lane == 0 && bits != 0u) atomicMax(p.amax_bits, bits);
 }
 
-// The 16 elements of block b of a row, as float32 (exact for every input type).
+// The 16 elements of block b of a row, as float32 (exact for every input type): two items.
 template <FloatInput kType>
 __device__ __forceinline__ void load_block(const void* row, int b, float (&f)[kNvfp4Block]) {
-  if constexpr (kType == FloatInput::kFloat32) {
-    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const float*>(row) + b * kNvfp4Block);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint4 v = __ldcs(q + i);
-      f[4 * i] = __uint_as_float(v.x);
-      f[4 * i + 1] = __uint_as_float(v.y);
-      f[4 * i + 2] = __uint_as_float(v.z);
-      f[4 * i + 3] = __uint_as_float(v.w);
-    }
-  } else {
-    const uint4* q = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + b * kNvfp4Block);
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint4 v = __ldcs(q + i);
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if constexpr (kType == FloatInput::kBFloat16) {
-          f[8 * i + 2 * j] = __uint_as_float(w[j] << 16);
-          f[8 * i + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-        } else {
-          f[8 * i + 2 * j] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[j] & 0xFFFFu)));
-          f[8 * i + 2 * j + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(w[j] >> 16)));
-        }
-      }
-    }
+  for (int h = 0; h < 2; ++h) {
+    uint4 raw[2];
+    load_item<kType>(row, 2 * b + h, raw);
+    item_to_float<kType>(raw, reinterpret_cast<float(&)[8]>(f[8 * h]));
   }
 }
 

@@ -16,45 +16,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;  // items (16-byte loads) in flight per lane
 
-// Raw bits of 8 consecutive input elements: one 16-byte load for 16-bit inputs, two for float32.
-template <FloatInput kType>
-__device__ __forceinline__ void load_item(const void* row, int item, uint4 (&r)[2]) {
-  if constexpr (kType == FloatInput::kFloat32) {
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const float*>(row) + item * 8);
-    r[0] = __ldcs(p);
-    r[1] = __ldcs(p + 1);
-  } else {
-    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(row) + item * 8);
-    r[0] = __ldcs(p);
-    r[1] = make_uint4(0, 0, 0, 0);
-  }
-}
-
-template <FloatInput kType>
-__device__ __forceinline__ void item_to_float(const uint4 (&r)[2], float (&f)[8]) {
-  if constexpr (kType == FloatInput::kFloat32) {
-    f[0] = __uint_as_float(r[0].x); f[1] = __uint_as_float(r[0].y);
-    f[2] = __uint_as_float(r[0].z); f[3] = __uint_as_float(r[0].w);
-    f[4] = __uint_as_float(r[1].x); f[5] = __uint_as_float(r[1].y);
-    f[6] = __uint_as_float(r[1].z); f[7] = __uint_as_float(r[1].w);
-  } else {
-    const uint32_t w[4] = {r[0].x, r[0].y, r[0].z, r[0].w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (kType == FloatInput::kBFloat16) {
-        f[2 * i] = __uint_as_float(w[i] << 16);  // bf16 -> float32 is exact: the upper half
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-      } else {
-        __half2 h;
-        memcpy(&h, &w[i], 4);
-        const float2 t = __half22float2(h);
-        f[2 * i] = t.x;
-        f[2 * i + 1] = t.y;
-      }
-    }
-  }
-}
-
 __device__ __forceinline__ uint32_t abs_bits(float x) { return __float_as_uint(x) & 0x7FFFFFFFu; }
 
 // Bits of the absolute maximum of one item's 8 elements (NaN and Inf sort above every finite
