@@ -4,8 +4,8 @@ Every CUDA kernel and every payload codec of the library is checked against thes
 for bit. The rules of each format are in its module's docstring:
   elements       E2M1, E2M3, E3M2, E4M3, E5M2 element codecs; UE8M0 scale bytes
   mx             MX block quantization (MXFP8, MXFP6, MXFP4), 1x32 or 32x1 blocks
-  packing        two E2M1 codes per byte; the MXFP4 and NVFP4 byte rows of one token
-  nvfp4          NVFP4 (1x16 or 16x16 blocks, E4M3 block scales, FP32 tensor scale)
+  packing        two E2M1 codes per byte; the MXFP4 byte row of one token
+  nvfp4          NVFP4 (1x16 or 16x16 blocks, E4M3 block scales, FP32 tensor scale); its byte row
   fp8_blockwise  E4M3 with FP32 power-of-two scales per 1x128 / 128x128
   convert        direct MXFP4 -> FP8 1x128 rows and FP8 columns per expert
   ragged         split lengths / offsets of rows grouped by expert
@@ -50,18 +50,12 @@ from moe_fp4.formats.nvfp4 import (
     dequantize_nvfp4,
     dequantize_nvfp4_rows,
     nvfp4_global_scale,
-    quantize_nvfp4,
-)
-from moe_fp4.formats.packing import (
-    mxfp4_row_bytes,
     nvfp4_row_bytes,
-    pack_fp4,
-    pack_mxfp4_rows,
     pack_nvfp4_rows,
-    unpack_fp4,
-    unpack_mxfp4_rows,
+    quantize_nvfp4,
     unpack_nvfp4_rows,
 )
+from moe_fp4.formats.packing import mxfp4_row_bytes, pack_fp4, pack_mxfp4_rows, unpack_fp4, unpack_mxfp4_rows
 from moe_fp4.formats.ragged import check_splits, group_by_expert, split_offsets
 from moe_fp4.formats.swizzle import from_blackwell_scale_layout, to_blackwell_scale_layout
 

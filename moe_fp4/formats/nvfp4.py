@@ -11,6 +11,11 @@ Rules (the spec):
     a block whose ``d`` is 0 (zero tensor or zero block) has zero data;
   * a block holding NaN or +-Inf gets the E4M3 NaN code 0x7F as its scale and zero data, so it
     decodes to NaN; such values are left out of the tensor amax.
+
+Byte row (the nvfp4 dispatch payload): ``H/2`` packed data bytes, ``H/16`` E4M3 block scale bytes,
+then the 4 bytes of the FP32 tensor scale (little endian), ``H/2 + H/16 + 4`` bytes: every row
+carries the tensor scale of the batch it was quantized with, so rows of several senders decode
+together (``dequantize_nvfp4_rows``).
 """
 
 from __future__ import annotations
@@ -148,6 +153,41 @@ def dequantize_nvfp4_rows(
         raise ValueError(f"scales: expected shape {(t, k // NVFP4_BLOCK)}, got {tuple(scales.shape)}")
     if tuple(global_scale.shape) != (t,):
         raise ValueError(f"global_scale: expected shape ({t},), got {tuple(global_scale.shape)}")
-    d = decode_elements(scales.view(torch.uint8), E4M3) * global_scale.unsqueeze(-1)  # float32 products
+    d = block_divisor(scales.view(torch.uint8), global_scale.unsqueeze(-1))
     values = decode_elements(unpack_fp4(packed), E2M1).reshape(t, k // NVFP4_BLOCK, NVFP4_BLOCK)
     return (values * d.unsqueeze(-1)).reshape(t, k).to(dtype)
+
+
+def nvfp4_row_bytes(hidden: int) -> int:
+    """Bytes of one NVFP4 byte row: hidden/2 data + hidden/16 E4M3 scales + 4 (FP32 tensor scale)."""
+    check_multiple(hidden, NVFP4_BLOCK, "hidden", "value")
+    return hidden // 2 + hidden // NVFP4_BLOCK + 4
+
+
+def pack_nvfp4_rows(packed: torch.Tensor, scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [T, H/2] + scales float8_e4m3fn [T, H/16] + global_scale float32 0-dim or [T]
+    -> byte rows uint8 [T, H/2 + H/16 + 4] (formats.quantize_nvfp4's 1x16 output, one row a token)."""
+    check_tensor(packed, "packed", dtypes=(torch.uint8,), dim=2)
+    check_tensor(scales, "scales", dtypes=(torch.float8_e4m3fn,), dim=2)
+    check_tensor(global_scale, "global_scale", dtypes=(torch.float32,))
+    t = packed.shape[0]
+    if tuple(scales.shape) != (t, packed.shape[1] // 8) or packed.shape[1] % 8:
+        raise ValueError(f"scales: expected shape {(t, packed.shape[1] // 8)} for packed of shape "
+                         f"{tuple(packed.shape)}, got {tuple(scales.shape)}")
+    if global_scale.dim() != 0 and tuple(global_scale.shape) != (t,):
+        raise ValueError(f"global_scale: expected a 0-dim tensor or shape ({t},), got {tuple(global_scale.shape)}")
+    gs = global_scale.reshape(-1, 1).expand(t, 1).contiguous().view(torch.uint8)
+    return torch.cat((packed, scales.view(torch.uint8), gs), dim=1)
+
+
+def unpack_nvfp4_rows(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """byte rows uint8 [T, H/2 + H/16 + 4] -> (packed uint8 [T, H/2], scales float8_e4m3fn [T, H/16],
+    global_scale float32 [T])."""
+    check_tensor(rows, "rows", dtypes=(torch.uint8,), dim=2)
+    width = nvfp4_row_bytes(hidden)
+    if rows.shape[1] != width:
+        raise ValueError(f"rows: expected last dimension {width} for hidden={hidden}, got {rows.shape[1]}")
+    h2, h16 = hidden // 2, hidden // NVFP4_BLOCK
+    scales = rows[:, h2:h2 + h16].contiguous().view(torch.float8_e4m3fn)
+    gs = rows[:, h2 + h16:].contiguous().view(torch.float32).reshape(-1)
+    return rows[:, :h2], scales, gs

@@ -13,8 +13,8 @@ import torch
 
 from moe_fp4.formats.fp8_blockwise import quantize_fp8_blockwise
 from moe_fp4.formats.mx import quantize_mxfp4, quantize_mxfp8
-from moe_fp4.formats.nvfp4 import quantize_nvfp4
-from moe_fp4.formats.packing import pack_mxfp4_rows, pack_nvfp4_rows
+from moe_fp4.formats.nvfp4 import pack_nvfp4_rows, quantize_nvfp4
+from moe_fp4.formats.packing import pack_mxfp4_rows
 
 PAYLOAD_FORMATS = ("bf16", "fp8", "mxfp8", "mxfp4", "nvfp4")
 
