@@ -299,9 +299,7 @@ class MXFP4Payload(PayloadCodec):
         rows, no per-token FP8 copy to gather from (bit-exact with the spec): the native kernel
         (``ops.mxfp4_rows_expand_fp8_blockwise``), else the Triton one (``_triton_rows``)."""
         _check_rows(rows, self.row_bytes(hidden), hidden)
-        native = rows.is_cuda and ops.native_available() and rows.data_ptr() % 4 == 0 and \
-            (rows.shape[0] <= 1 or rows.stride(0) % 4 == 0) and slot_table.shape[1] <= 32
-        if native and hidden % FP8_GROUP == 0 and rows.stride(-1) == 1 and slot_table.is_contiguous():
+        if rows.is_cuda and ops.native_available() and hidden % FP8_GROUP == 0 and slot_table.shape[1] <= 32:
             return ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, num_rows)
         if _triton_rows.available(rows) and hidden % FP8_GROUP == 0 and rows.stride(-1) == 1:
             return _triton_rows.mxfp4_rows_to_fp8_scatter(rows, hidden, slot_table, num_rows)
