@@ -4,6 +4,8 @@
 # transformers integration's multi-GPU tests, then the dispatch benchmark for the backends with a
 # breakdown of the mxfp4 path. Logs go to $OUT (default /tmp/moe_fp4_dispatch); a summary is printed last.
 #   bash benchmarks/run_gpu_dispatch.sh
+# Environment: TOKENS (tokens per rank, comma separated), FORMATS, BACKENDS, TIMING (host or device),
+# ITERS, HF=0 (skip the transformers tests), PROFILE=1, and the *_S time limits of each step.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -44,7 +46,7 @@ if [ "${HF:-1}" = 1 ]; then
 fi
 
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  ${TOKENS:+--tokens "$TOKENS"} ${PROFILE:+--profile-layout} --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
+  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"

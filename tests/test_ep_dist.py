@@ -234,6 +234,11 @@ def case_payload_rows(ctx, seed, payload):
             d_ref, s_ref = formats.quantize_fp8_blockwise(src, block=(1, 128))
             assert_bitwise_equal(data, d_ref, "fp8 data")
             assert_bitwise_equal(scales, s_ref, "fp8 scales")
+        # one FP8 row per received token: expanding it by the handle gives the expert rows above
+        tok = buf.dispatch(x, handle=out.handle, return_fp8="tokens")
+        assert tok.fp8 is None and tok.recv_fp8[0].shape == (out.handle.num_recv_tokens, H)
+        assert_bitwise_equal(tok.recv_fp8[0][out.handle.expand_row], data, f"{payload} per-token fp8 data ({scenario})")
+        assert_bitwise_equal(tok.recv_fp8[1][out.handle.expand_row], scales, f"{payload} per-token fp8 scales")
         # received top-k ids: local ids on this rank, -1 elsewhere, in (source rank, token) order
         recv = [(s, t) for s, i in enumerate(idxs) for t in range(i.shape[0])
                 if bool(((i[t] >= rank * ell) & (i[t] < (rank + 1) * ell)).any())]

@@ -160,8 +160,9 @@ def test_quantize_mxfp4_rows_multi(t, h, dense, round_up, bulk):
         if num == 8:  # a destination starting at an odd address: byte stores
             raw = torch.full((caps[-1] * width + 1,), 0x5A, dtype=torch.uint8, device="cuda")
             dests[-1] = raw[1:].view(caps[-1], width)
-        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding, bulk_stores=bulk)
-        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}, bulk={bulk}")
+        blocks = {1: None, 2: 1, 8: 5}[num]  # one block striding over every token; a few
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding, bulk_stores=bulk, max_blocks=blocks)
+        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}, bulk={bulk}, blocks={blocks}")
 
 
 def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
@@ -201,8 +202,9 @@ def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
         if num == 8:  # a destination starting 4 bytes off a 16-byte boundary: 4-byte stores
             raw = torch.full((caps[-1] * want.shape[1] + 4,), 0x5A, dtype=torch.uint8, device="cuda")
             dests[-1] = raw[4:].view(caps[-1], want.shape[1])
-        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows, bulk_stores=bulk)
-        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations, bulk={bulk}")
+        blocks = {1: None, 2: 1, 8: 5}[num]
+        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows, bulk_stores=bulk, max_blocks=blocks)
+        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations, bulk={bulk}, blocks={blocks}")
     # float32 input: quantize, then the push
     xf = _float_input(64, h, torch.float32)
     want = _spec_fp8_rows(xf)
@@ -221,8 +223,9 @@ def test_scatter_rows(t, width):
         caps = [t + d for d in range(num)]
         rows = _destination_rows(t, caps, num == 1)
         dests = [torch.full((c, width), 0xA5, dtype=torch.uint8, device="cuda") for c in caps]
-        ops.scatter_rows(src, dests, rows)
-        _check_destinations(dests, rows, src, 0xA5, f"scatter of {width}-byte rows to {num}")
+        blocks = {1: None, 3: 1, 8: 7}[num]
+        ops.scatter_rows(src, dests, rows, max_blocks=blocks)
+        _check_destinations(dests, rows, src, 0xA5, f"scatter of {width}-byte rows to {num}, blocks={blocks}")
 
 
 @pytest.mark.parametrize("t", TOKENS)

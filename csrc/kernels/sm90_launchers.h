@@ -33,6 +33,9 @@ struct RowDestinations {
                                             // every address and row_bytes are 16-byte multiples
   int staged_per_warp;                      // set by the launcher: rows staged per warp for bulk
                                             // stores (1 or 2), 0 for plain stores
+  int max_blocks;                           // > 0: launch at most this many thread blocks (their warps
+                                            // stride over the rows), leaving the other SM slots to
+                                            // kernels of other streams; 0: fill the GPU
 };
 
 // BF16ToFP4Row: x [T, H] (row stride x_stride elements) -> MXFP4.

@@ -446,15 +446,16 @@ __global__ void __launch_bounds__(kThreads) sm90_scatter_rows_kernel(const Scatt
 }
 
 // Blocks for a persistent grid: enough to fill every SM at the kernel's occupancy, no more than the
-// rows need (one warp per row).
+// rows need (one warp per row), and no more than max_blocks when it is positive.
 template <typename Kernel>
-int grid_for_rows(Kernel kernel, long long rows, size_t smem = 0) {
+int grid_for_rows(Kernel kernel, long long rows, size_t smem = 0, int max_blocks = 0) {
   int device = 0, sms = 0, per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
   const long long need = (rows + kThreads / 32 - 1) / (kThreads / 32);
-  const long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
+  if (max_blocks > 0 && cap > max_blocks) cap = max_blocks;
   return static_cast<int>(need < cap ? (need > 0 ? need : 1) : cap);
 }
 
@@ -473,7 +474,7 @@ cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long l
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
-  kernel<<<grid_for_rows(kernel, rows, smem), kThreads, smem, stream>>>(q);
+  kernel<<<grid_for_rows(kernel, rows, smem, q.dests.max_blocks), kThreads, smem, stream>>>(q);
   return cudaSuccess;
 }
 
@@ -555,13 +556,13 @@ cudaError_t launch_scatter_rows(const ScatterRowsParams& p, cudaStream_t stream)
   for (int d = 0; d < p.dests.num; ++d) bits |= reinterpret_cast<uintptr_t>(p.dests.base[d]);
   if ((bits & 15) == 0) {
     auto k = sm90_scatter_rows_kernel<uint4>;
-    k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+    k<<<grid_for_rows(k, p.tokens, 0, p.dests.max_blocks), kThreads, 0, stream>>>(p);
   } else if ((bits & 3) == 0) {
     auto k = sm90_scatter_rows_kernel<uint32_t>;
-    k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+    k<<<grid_for_rows(k, p.tokens, 0, p.dests.max_blocks), kThreads, 0, stream>>>(p);
   } else {
     auto k = sm90_scatter_rows_kernel<uint8_t>;
-    k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+    k<<<grid_for_rows(k, p.tokens, 0, p.dests.max_blocks), kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

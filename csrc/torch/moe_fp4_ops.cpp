@@ -148,7 +148,9 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
 // at most kMaxRowDestinations. Row rows[t, d] of dests[d] receives token t's row (skipped when
 // negative or >= R_d).
 moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, const Tensor& rows, const Tensor& ref,
-                                          int64_t tokens, int64_t width) {
+                                          int64_t tokens, int64_t width, int64_t max_blocks) {
+  TORCH_CHECK(max_blocks >= 0 && max_blocks <= (1LL << 30), "max_blocks: expected 0 (no limit) or a block count, got ",
+              max_blocks);
   const int64_t num = static_cast<int64_t>(dests.size());
   TORCH_CHECK(num >= 1 && num <= moe_fp4::kMaxRowDestinations, "dests: expected 1 to ",
               moe_fp4::kMaxRowDestinations, " destination tensors, got ", num);
@@ -178,6 +180,7 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
   d.rows = reinterpret_cast<const long long*>(rows.data_ptr<int64_t>());
   d.num = static_cast<int>(num);
   d.row_bytes = width;
+  d.max_blocks = static_cast<int>(max_blocks);
   return d;
 }
 
@@ -185,9 +188,9 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
 // `width` bytes stored into every destination that takes them.
 template <typename Params>
 Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows, int64_t width,
-                         bool bulk) {
+                         bool bulk, int64_t max_blocks) {
   Params p{};
-  p.dests = row_destinations(dests, dest_rows, x, x.size(0), width);
+  p.dests = row_destinations(dests, dest_rows, x, x.size(0), width, max_blocks);
   p.dests.bulk = bulk;
   p.x = x.data_ptr();
   p.x_type = moe_fp4::FloatInput::kBFloat16;
@@ -200,12 +203,12 @@ Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, cons
 // x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it (bulk:
 // by the copy engine where the addresses allow it, else by 16-byte stores).
 void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector<Tensor>& dests,
-                               const Tensor& dest_rows, bool bulk) {
+                               const Tensor& dest_rows, bool bulk, int64_t max_blocks) {
   check_float_rows(x, 32);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto p = multi_rows_params<moe_fp4::QuantizeMxfp4Params>(x, dests, dest_rows, h / 2 + h / 32, bulk);
+  auto p = multi_rows_params<moe_fp4::QuantizeMxfp4Params>(x, dests, dest_rows, h / 2 + h / 32, bulk, max_blocks);
   p.round_up = round_up;
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows_multi");
 }
@@ -213,25 +216,25 @@ void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector
 // x [T, H] bfloat16, H % 128 == 0 -> each token's FP8 1x128 byte row [H E4M3 | H/128 FP32 scales]
 // written to every destination that takes it.
 void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows,
-                                       bool bulk) {
+                                       bool bulk, int64_t max_blocks) {
   check_float_rows(x, 128);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto p = multi_rows_params<moe_fp4::QuantizeFp8Params>(x, dests, dest_rows, h + 4 * (h / 128), bulk);
+  const auto p = multi_rows_params<moe_fp4::QuantizeFp8Params>(x, dests, dest_rows, h + 4 * (h / 128), bulk, max_blocks);
   check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()),
                "quantize_fp8_blockwise_rows_multi");
 }
 
 // src uint8 [T, B] -> each row copied to every destination that takes it.
-void scatter_rows(const Tensor& src, const std::vector<Tensor>& dests, const Tensor& dest_rows) {
+void scatter_rows(const Tensor& src, const std::vector<Tensor>& dests, const Tensor& dest_rows, int64_t max_blocks) {
   MOE_FP4_CHECK_CUDA(src, "src");
   MOE_FP4_CHECK_DTYPE(src, at::kByte, "src");
   MOE_FP4_CHECK_DIM(src, 2, "src");
   MOE_FP4_CHECK_INNER(src, "src");
   const c10::cuda::CUDAGuard guard(src.device());
   moe_fp4::ScatterRowsParams p{};
-  p.dests = row_destinations(dests, dest_rows, src, src.size(0), src.size(1));
+  p.dests = row_destinations(dests, dest_rows, src, src.size(0), src.size(1), max_blocks);
   p.src = src.data_ptr<uint8_t>();
   p.src_stride = src.stride(0);
   p.tokens = src.size(0);
@@ -448,10 +451,11 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
 }
 
 // MXFP4 byte rows uint8 [n, H/2 + H/32], slots int64 [n, k] (output row of each (row, slot), -1: none)
-// -> (e4m3 [num_rows, H], float32 [num_rows, H/128]): row t converted once (FP4RowToFP8Row) and written
-// to each of its slots' rows. Rows named by no slot are left unwritten (the caller names each once).
-std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hidden, const Tensor& slots,
-                                                 int64_t num_rows) {
+// -> out e4m3 [R, H], out_scales float32 [R, H/128] (written in place): row t converted once
+// (FP4RowToFP8Row) and written to each of its slots' rows; slots outside [0, R) are skipped and the other
+// output rows are left untouched (so several calls may fill one output, e.g. one per source block).
+void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor& slots, const Tensor& out,
+                                const Tensor& out_scales) {
   check_mxfp4_byte_rows(rows, hidden);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
               "rows: rows must be 4-byte aligned");
@@ -462,11 +466,19 @@ std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hid
   TORCH_CHECK(slots.size(0) == rows.size(0), "slots: expected ", rows.size(0), " rows (one per byte row), got ",
               slots.size(0));
   TORCH_CHECK(slots.size(1) >= 1 && slots.size(1) <= 32, "slots: expected 1 to 32 slots per row, got ", slots.size(1));
-  TORCH_CHECK(num_rows >= 0, "num_rows: expected a non-negative count, got ", num_rows);
+  MOE_FP4_CHECK_SAME_DEVICE(out, rows, "out");
+  MOE_FP4_CHECK_SAME_DEVICE(out_scales, rows, "out_scales");
+  MOE_FP4_CHECK_DTYPE(out, at::kFloat8_e4m3fn, "out");
+  MOE_FP4_CHECK_DTYPE(out_scales, at::kFloat, "out_scales");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == hidden && out.is_contiguous(), "out: expected a contiguous [R, ", hidden,
+              "] tensor, got ", out.sizes());
+  TORCH_CHECK(out_scales.dim() == 2 && out_scales.size(0) == out.size(0) && out_scales.size(1) == hidden / 128 &&
+                  out_scales.is_contiguous(),
+              "out_scales: expected a contiguous [", out.size(0), ", ", hidden / 128, "] tensor, got ",
+              out_scales.sizes());
+  const int64_t num_rows = out.size(0);
+  if (rows.size(0) == 0 || num_rows == 0) return;
   const c10::cuda::CUDAGuard guard(rows.device());
-  Tensor out = at::empty({num_rows, hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
-  Tensor out_scales = at::empty({num_rows, hidden / 128}, rows.options().dtype(at::kFloat));
-  if (rows.size(0) == 0 || num_rows == 0) return {out, out_scales};
   moe_fp4::Mxfp4ExpandFp8RowsParams p{};
   p.rows = rows.data_ptr<uint8_t>();
   p.row_stride = rows.stride(0);
@@ -478,6 +490,17 @@ std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hid
   p.num_rows = num_rows;
   p.hidden = static_cast<int>(hidden);
   check_launch(moe_fp4::launch_mxfp4_expand_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_expand_fp8");
+}
+
+// The same into new outputs of num_rows rows (rows named by no slot are left unwritten; the caller names
+// each once).
+std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hidden, const Tensor& slots,
+                                                 int64_t num_rows) {
+  TORCH_CHECK(num_rows >= 0, "num_rows: expected a non-negative count, got ", num_rows);
+  check_mxfp4_byte_rows(rows, hidden);
+  Tensor out = at::empty({num_rows, hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({num_rows, hidden / 128}, rows.options().dtype(at::kFloat));
+  mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales);
   return {out, out_scales};
 }
 
@@ -514,12 +537,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("round_up"), py::arg("out"), py::arg("row_index"));
   m.def("quantize_mxfp4_rows_multi", &quantize_mxfp4_rows_multi,
         "x [T,H] bfloat16 -> MXFP4 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"));
+        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0);
   m.def("quantize_fp8_blockwise_rows_multi", &quantize_fp8_blockwise_rows_multi,
         "x [T,H] bfloat16 -> FP8 1x128 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"));
+        py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0);
   m.def("scatter_rows", &scatter_rows, "byte rows src [T,B] copied to dests[d] at dest_rows[t, d]", py::arg("src"),
-        py::arg("dests"), py::arg("dest_rows"));
+        py::arg("dests"), py::arg("dest_rows"), py::arg("max_blocks") = 0);
   m.def("mxfp4_to_fp8_rows", &mxfp4_to_fp8_rows, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_byte_rows_to_fp8_rows", &mxfp4_byte_rows_to_fp8_rows, "MXFP4 byte rows -> FP8 1x128 rows",
@@ -537,6 +560,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mxfp4_rows_expand_fp8", &mxfp4_rows_expand_fp8,
         "MXFP4 byte rows -> FP8 1x128 rows, each written to its slots' rows", py::arg("rows"), py::arg("hidden"),
         py::arg("slots"), py::arg("num_rows"));
+  m.def("mxfp4_rows_expand_fp8_into", &mxfp4_rows_expand_fp8_into,
+        "MXFP4 byte rows -> FP8 1x128 rows written in place to their slots' rows of out", py::arg("rows"),
+        py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"));
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
 }

@@ -12,9 +12,10 @@ CPU; on GPUs also "symm", the symmetric-memory backend of moe_fp4.ep.symmetric):
   GB/s         wire bytes / dispatch time, per rank; link = a2a time / dispatch time (the share of
                the raw all-to-all rate reached for the same bytes)
   combine us   combine of BF16 expert outputs with the payload format as its wire format
-  e2e us       BF16 tokens to FP8 1x128 expert inputs: encode + all-to-all + conversion of each
-               received token + gather to one row per (token, local expert) in expert order
-  tok us       the same without the expansion: FP8 1x128 per received token
+  e2e us       BF16 tokens to FP8 1x128 expert inputs: ``dispatch(return_fp8=True)``, encode +
+               transfer + conversion of each received token to one row per (token, local expert) in
+               expert order (symm + mxfp4: the conversion overlaps the transfer)
+  tok us       the same to FP8 1x128 per received token (``return_fp8="tokens"``)
 Times are medians over iterations of the slowest rank's time; --timing device queues each call behind
 a GPU sleep, so host work the GPU would wait for is hidden (the raw a2a is timed the same way).
 Tokens are routed uniformly at random (top-k of random scores, distinct experts), experts split
@@ -169,7 +170,7 @@ def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms) -> dict:
     layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
     disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
     e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)
-    tok_ms = timer(lambda: codec.to_fp8_blockwise(buf.dispatch(x, handle=h, payload=codec).recv_rows, hidden))
+    tok_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)
     y = out.values(torch.bfloat16)
     del out
     comb_ms = timer(lambda: buf.combine(y, h, payload=codec))
@@ -308,6 +309,21 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
             res.append((f"push: fp8 rows, fused quantize, bulk_stores={bulk}",
                         timer(lambda bulk=bulk: ops.quantize_fp8_blockwise_rows_multi(
                             x, fp8_dests, push_plan["peer_rank_table"], bulk_stores=bulk))))
+    # the FP8 conversion beside the transfer (push_rows_fp8): push blocks, and the conversion after it
+    saved = (b.push_blocks, b.overlap_fp8)
+    for blocks in sorted({32, 66, 132, 264, 528, saved[0]}):
+        b.push_blocks = blocks
+        res.append((f"e2e mxfp4 expert rows, overlapped, push_blocks={blocks}",
+                    timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
+        res.append((f"tok mxfp4 per token, overlapped, push_blocks={blocks}",
+                    timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
+    b.push_blocks = saved[0]
+    b.overlap_fp8 = False
+    res.append(("e2e mxfp4 expert rows, converted after the transfer",
+                timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
+    res.append(("tok mxfp4 per token, converted after the transfer",
+                timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
+    b.overlap_fp8 = saved[1]
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",

@@ -48,6 +48,7 @@ from moe_fp4.ep.payloads import (
     gather_rows,
     get_payload,
 )
+from moe_fp4.formats import FP8_GROUP
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
@@ -128,6 +129,9 @@ class DispatchOutput:
     row_weights: float32 [N] or None, the top-k weight of each output row;
     fp8: (float8_e4m3fn [N, H], float32 [N, H/128]) in the order of ``rows`` once
       ``to_fp8_blockwise`` ran (dispatch's ``return_fp8=True``), else None;
+    recv_fp8: (float8_e4m3fn [n_recv, H], float32 [n_recv, H/128]), one row per received token (the
+      layout of ``recv_rows``, with ``recv_topk_idx``), once ``recv_to_fp8_blockwise`` ran (dispatch's
+      ``return_fp8="tokens"``), else None;
     handle: for combine and for cached dispatches."""
 
     def __init__(self, recv_rows: torch.Tensor, payload: PayloadCodec, hidden: int, handle: DispatchHandle):
@@ -136,6 +140,7 @@ class DispatchOutput:
         self.hidden = hidden
         self.handle = handle
         self.fp8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.recv_fp8: tuple[torch.Tensor, torch.Tensor] | None = None
         self._rows: torch.Tensor | None = None
 
     @property
@@ -187,6 +192,20 @@ class DispatchOutput:
             self.fp8 = self.payload.expand_fp8_blockwise(self.recv_rows, self.hidden, h.slot_table, h.num_rows,
                                                          h.expand_row)
         return self.fp8
+
+    def recv_to_fp8_blockwise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float8_e4m3fn [n_recv, H], float32 [n_recv, H/128]): the FP8 1x128 of each received token,
+        in the order of ``recv_rows`` (a grouped GEMM that gathers its rows by ``recv_topk_idx``)."""
+        if self.recv_fp8 is None:
+            self.recv_fp8 = self.payload.to_fp8_blockwise(self.recv_rows, self.hidden)
+        return self.recv_fp8
+
+
+def _convert(out: DispatchOutput, return_fp8) -> None:
+    if return_fp8 == "tokens":
+        out.recv_to_fp8_blockwise()
+    elif return_fp8:
+        out.to_fp8_blockwise()
 
 
 def fused_wire(codec: PayloadCodec) -> str | None:
@@ -294,8 +313,16 @@ class Buffer:
         handle: reuse the layout of an earlier dispatch (same tokens and routing): one all-to-all,
           no host sync;
         payload: the wire format for this call (default: the buffer's);
-        return_fp8: also convert the received rows to FP8 1x128 (``DispatchOutput.fp8``).
+        return_fp8: also convert the received rows to FP8 1x128: True or "rows": one row per (token,
+          local expert) in expert order (``DispatchOutput.fp8``); "tokens": one row per received token
+          (``DispatchOutput.recv_fp8``); False: no conversion. With the symm backend (pushing) and the
+          mxfp4 payload on CUDA the conversion overlaps the transfer: this rank's own rows are converted
+          while the push to the peers is in flight, the peers' rows as soon as they have landed
+          (``symmetric.push_rows_fp8``); otherwise the rows are converted after the transfer. The bits
+          are the same either way.
         """
+        if return_fp8 not in (False, True, "rows", "tokens"):
+            raise ValueError(f"return_fp8: expected False, True, 'rows' or 'tokens', got {return_fp8!r}")
         codec = get_payload(payload) if payload is not None else self.payload
         if handle is not None:
             self._check_handle(handle)
@@ -306,9 +333,20 @@ class Buffer:
             handle = self._exchange_layout(x, topk_idx, topk_weights, codec)
         hidden = x.shape[1]
         if self._direct(x):
+            per_token = return_fp8 == "tokens"
+            k = 1 if per_token else handle.slot_table.shape[1]
+            if return_fp8 and getattr(self.backend, "overlap_fp8", False) and self.backend.push \
+                    and self.backend.chunks == 1 \
+                    and hidden % FP8_GROUP == 0 and codec.expands_in_place(x, hidden, k):
+                recv, fp8 = symmetric.push_rows_fp8(self.backend, x, codec, handle, per_token)
+                out = DispatchOutput(recv, codec, hidden, handle)
+                if per_token:
+                    out.recv_fp8 = fp8
+                else:
+                    out.fp8 = fp8
+                return out
             out = DispatchOutput(symmetric.dispatch_rows(self.backend, x, codec, handle), codec, hidden, handle)
-            if return_fp8:
-                out.to_fp8_blockwise()
+            _convert(out, return_fp8)
             return out
         rows = codec.encode(x)
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
@@ -327,8 +365,7 @@ class Buffer:
             send_rows = gather_rows(rows, handle.send_token)
             self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
         out = DispatchOutput(recv_rows, codec, hidden, handle)
-        if return_fp8:
-            out.to_fp8_blockwise()
+        _convert(out, return_fp8)
         return out
 
     def _direct(self, t: torch.Tensor) -> bool:

@@ -101,14 +101,17 @@ class PayloadCodec:
         out.copy_(self.encode(x))
         return out
 
-    def encode_push(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+    def encode_push(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,
+                    max_blocks: int | None = None) -> None:
         """encode(x) with row t stored into row dest_rows[t, d] of each dests[d]: the direct dispatch's
         push into every rank's receive buffer. Default: encode, then ``ops.scatter_rows``.
 
         x: float32/bfloat16/float16 [T, H]; dests: 1 to 8 uint8 tensors [R_d, row_bytes(H)] with
         back-to-back rows; dest_rows: int64 [T, len(dests)] on x's device (negative or >= R_d:
-        skipped). Writes in place and returns None; other rows of the destinations are untouched."""
-        ops.scatter_rows(self.encode(x), dests, dest_rows)
+        skipped); max_blocks: at most this many thread blocks for the storing kernel (None: fill the
+        GPU; see ``ops.quantize_mxfp4_rows_multi``). Writes in place and returns None; other rows of
+        the destinations are untouched."""
+        ops.scatter_rows(self.encode(x), dests, dest_rows, max_blocks=max_blocks)
 
     def decode(self, rows: torch.Tensor, hidden: int, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         _check_rows(rows, self.row_bytes(hidden), hidden)
@@ -140,6 +143,19 @@ class PayloadCodec:
         [num_rows], the token of each output row (the same map, inverted) -> (float8_e4m3fn
         [num_rows, H], float32 [num_rows, H/128]). Default: ``gather_fp8_blockwise(rows, hidden, index)``."""
         return self.gather_fp8_blockwise(rows, hidden, index)
+
+    def expands_in_place(self, rows: torch.Tensor, hidden: int, k: int) -> bool:
+        """Whether ``expand_fp8_blockwise_into`` can convert these rows (rows' device and the payload's
+        kernels) into a caller's output, block by block (the dispatch then converts each block of
+        received rows as it lands). Default: no."""
+        return False
+
+    def expand_fp8_blockwise_into(self, rows: torch.Tensor, hidden: int, slot_table: torch.Tensor,
+                                  out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """The FP8 1x128 of each row written in place to its slots' rows of out = (float8_e4m3fn
+        [R, H], float32 [R, H/128]); slots -1 (or outside [0, R)) skipped, other rows untouched. Only
+        where ``expands_in_place`` says so."""
+        raise NotImplementedError(f"the {self.name} payload has no in-place expansion")
 
     def empty_rows(self, hidden: int, device) -> torch.Tensor:
         return torch.empty(0, self.row_bytes(hidden), dtype=torch.uint8, device=device)
@@ -184,11 +200,11 @@ class BF16Payload(PayloadCodec):
         out.view(torch.bfloat16).copy_(x)
         return out
 
-    def encode_push(self, x, dests, dest_rows):
+    def encode_push(self, x, dests, dest_rows, *, max_blocks=None):
         self._check_x(x)
         if x.dtype != torch.bfloat16 or (x.shape[1] and x.stride(1) != 1):
             x = x.to(torch.bfloat16).contiguous()
-        ops.scatter_rows(x.view(torch.uint8), dests, dest_rows)  # the tokens' bytes as they are
+        ops.scatter_rows(x.view(torch.uint8), dests, dest_rows, max_blocks=max_blocks)  # the tokens' bytes as they are
 
     def _decode(self, rows, hidden, dtype):
         return rows.contiguous().view(torch.bfloat16).to(dtype)
@@ -215,11 +231,11 @@ class FP8Payload(PayloadCodec):
         data, scales = _quantize_fp8(x)
         return torch.cat((data.view(torch.uint8), _bytes_of(scales)), dim=1)
 
-    def encode_push(self, x, dests, dest_rows):
+    def encode_push(self, x, dests, dest_rows, *, max_blocks=None):
         """One fused kernel on CUDA for bfloat16 x (``ops.quantize_fp8_blockwise_rows_multi``)."""
         self._check_x(x)
         if x.shape[0]:
-            ops.quantize_fp8_blockwise_rows_multi(x, dests, dest_rows)
+            ops.quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, max_blocks=max_blocks)
 
     def split(self, rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
         """rows uint8 [N, H + H/32] -> (float8_e4m3fn [N, H], float32 [N, H/128]), contiguous copies."""
@@ -274,12 +290,13 @@ class MXFP4Payload(PayloadCodec):
             ops.quantize_mxfp4_rows(x, scale_rounding=self.scale_rounding, out=out)  # straight into out
         return out
 
-    def encode_push(self, x, dests, dest_rows):
+    def encode_push(self, x, dests, dest_rows, *, max_blocks=None):
         """One fused kernel on CUDA for bfloat16 x: each token read and encoded once, its row stored
         into every destination (``ops.quantize_mxfp4_rows_multi``): no staging copy, no packing pass."""
         self._check_x(x)
         if x.shape[0]:
-            ops.quantize_mxfp4_rows_multi(x, dests, dest_rows, scale_rounding=self.scale_rounding)
+            ops.quantize_mxfp4_rows_multi(x, dests, dest_rows, scale_rounding=self.scale_rounding,
+                                          max_blocks=max_blocks)
 
     def _decode(self, rows, hidden, dtype):
         packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
@@ -304,6 +321,15 @@ class MXFP4Payload(PayloadCodec):
         if _triton_rows.available(rows) and hidden % FP8_GROUP == 0 and rows.stride(-1) == 1:
             return _triton_rows.mxfp4_rows_to_fp8_scatter(rows, hidden, slot_table, num_rows)
         return super().expand_fp8_blockwise(rows, hidden, slot_table, num_rows, index)
+
+    def expands_in_place(self, rows, hidden, k):
+        """CUDA rows with the native ops built (``ops.mxfp4_rows_expand_fp8_blockwise`` with ``out``)."""
+        return rows.is_cuda and ops.native_available() and hidden % FP8_GROUP == 0 and 1 <= k <= 32
+
+    def expand_fp8_blockwise_into(self, rows, hidden, slot_table, out):
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        if rows.shape[0]:
+            ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, out=out)
 
 
 class NVFP4Payload(PayloadCodec):

@@ -247,6 +247,7 @@ def quantize_mxfp4_rows_multi(
     *,
     scale_rounding: str = "up",
     bulk_stores: bool | None = None,
+    max_blocks: int | None = None,
 ) -> None:
     """BF16ToFP4Row to several destinations at once: each token is read and encoded once and its byte
     row (quantize_mxfp4_rows' layout) stored into every destination that takes it. The expert-parallel
@@ -265,12 +266,24 @@ def quantize_mxfp4_rows_multi(
       the row size are 16-byte multiples, else by 16-byte stores of the warp; None: MOE_FP4_PUSH_BULK
       (default 0: the warp's stores, 8% faster for 16384 DeepSeek-V3 tokens to 2 H200s; the bulk
       copies were no faster for FP8 rows either). The bytes are the same either way.
+    max_blocks: launch at most this many thread blocks of 256 threads (their warps stride over the
+      tokens), so kernels on other streams find free SM slots while this one runs (the dispatch gives
+      a push over NVLink part of the GPU and converts its own rows beside it); None: fill the GPU.
     Writes in place and returns None; other rows of the destinations are left untouched.
     """
     _float_rows(x, 32)
     _rounding(scale_rounding)
     _destinations(dests, dest_rows, x, x.shape[0], formats.mxfp4_row_bytes(x.shape[1]))
-    _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores))
+    _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores),
+                                      _max_blocks(max_blocks))
+
+
+def _max_blocks(max_blocks):
+    if max_blocks is None:
+        return 0
+    if isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or not 1 <= max_blocks <= 1 << 30:
+        raise ValueError(f"max_blocks: expected None or an int in [1, 2**30], got {max_blocks!r}")
+    return max_blocks
 
 
 def _bulk(bulk_stores):
@@ -282,7 +295,7 @@ def _bulk(bulk_stores):
 
 
 def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,
-                                      bulk_stores: bool | None = None) -> None:
+                                      bulk_stores: bool | None = None, max_blocks: int | None = None) -> None:
     """quantize_fp8_blockwise to several destinations at once, as byte rows: each token's H E4M3
     bytes followed by its H/128 FP32 scales (the fp8 dispatch payload), stored into every
     destination that takes it (see quantize_mxfp4_rows_multi).
@@ -292,28 +305,30 @@ def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor]
     dests: 1 to 8 uint8 tensors [R_d, H + H/32] with back-to-back rows;
     dest_rows: int64 [T, D] on x's device, contiguous, D = len(dests) (negative or >= R_d: skipped;
       distinct within a destination);
-    bulk_stores: as in quantize_mxfp4_rows_multi.
+    bulk_stores, max_blocks: as in quantize_mxfp4_rows_multi.
     Writes in place and returns None; other rows of the destinations are left untouched.
     """
     _float_rows(x, formats.FP8_GROUP)
     h = x.shape[1]
     _destinations(dests, dest_rows, x, x.shape[0], h + 4 * (h // formats.FP8_GROUP))
-    _ops.quantize_fp8_blockwise_rows_multi_op(x, list(dests), dest_rows, _bulk(bulk_stores))
+    _ops.quantize_fp8_blockwise_rows_multi_op(x, list(dests), dest_rows, _bulk(bulk_stores), _max_blocks(max_blocks))
 
 
-def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
+def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,
+                 max_blocks: int | None = None) -> None:
     """Byte rows to several destinations: row t of src is copied to row dest_rows[t, d] of dests[d]
     (skipped when negative or >= R_d). The dispatch's push of rows that need no encoding.
 
     src: uint8 [T, B] (contiguous last dimension); dests: 1 to 8 uint8 tensors [R_d, B] with
     back-to-back rows; dest_rows: int64 [T, D] on src's device, contiguous, D = len(dests) (distinct
-    within a destination). Writes in place and returns None; other rows are left untouched.
+    within a destination); max_blocks: as in quantize_mxfp4_rows_multi. Writes in place and returns
+    None; other rows are left untouched.
     """
     _tensor(src, "src", (torch.uint8,), 2)
     if src.shape[1] and src.stride(1) != 1:
         raise ValueError(f"src: expected a contiguous last dimension, got strides {src.stride()}")
     _destinations(dests, dest_rows, src, src.shape[0], src.shape[1])
-    _ops.scatter_rows_op(src, list(dests), dest_rows)
+    _ops.scatter_rows_op(src, list(dests), dest_rows, _max_blocks(max_blocks))
 
 
 def mxfp4_to_fp8_blockwise(
@@ -463,17 +478,23 @@ def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def mxfp4_rows_expand_fp8_blockwise(
-    rows: torch.Tensor, hidden: int, slots: torch.Tensor, num_rows: int
+    rows: torch.Tensor, hidden: int, slots: torch.Tensor, num_rows: int | None = None, *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4RowToFP8Row fused with the expansion to expert rows: each byte row converted once and
     written to each of its output rows.
 
     rows: uint8 [n, H/2 + H/32] (formats.pack_mxfp4_rows layout, 4-byte aligned rows); hidden: H, a
       multiple of 128; slots: int64 [n, k] (1 <= k <= 32) on rows' device, the output row of each
-      (row, slot), -1 for none (slots outside [0, num_rows) are skipped); num_rows: R >= 0.
-    Returns (float8_e4m3fn [R, H], float32 [R, H/128]): output row slots[t, j] is the FP8 1x128 of
-    rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). The caller names every output row once;
-    a row named by no slot is left unwritten on CUDA (zeros in the spec fallback).
+      (row, slot), -1 for none (slots outside [0, R) are skipped); num_rows: R >= 0 (may be left out
+      with ``out``, else must equal its rows);
+    out: (float8_e4m3fn [R, H], float32 [R, H/128]), contiguous, on rows' device: written in place
+      (only the rows named by slots; the others keep their values, so calls for disjoint row blocks
+      can fill one output, e.g. one per source rank of a dispatch, each as its rows arrive).
+    Returns (float8_e4m3fn [R, H], float32 [R, H/128]) (``out`` when given): output row slots[t, j]
+    is the FP8 1x128 of rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). Without ``out`` the
+    caller names every output row once; a row named by no slot is left unwritten on CUDA (zeros in the
+    spec fallback).
     """
     _mxfp4_byte_rows(rows, hidden)
     if rows.shape[0] and rows.stride(1) != 1:
@@ -484,6 +505,25 @@ def mxfp4_rows_expand_fp8_blockwise(
         raise ValueError(f"slots: expected shape ({rows.shape[0]}, k) with 1 <= k <= 32, got {tuple(slots.shape)}")
     if not slots.is_contiguous():
         raise ValueError(f"slots: expected a contiguous tensor, got strides {slots.stride()}")
-    if not isinstance(num_rows, int) or num_rows < 0:
-        raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
-    return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)
+    if out is None:
+        if not isinstance(num_rows, int) or num_rows < 0:
+            raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
+        return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"out: expected a (data, scales) pair of tensors, got {type(out).__name__}")
+    data, scales = out
+    _tensor(data, "out[0]", (torch.float8_e4m3fn,), 2)
+    _tensor(scales, "out[1]", (torch.float32,), 2)
+    _same_device(data, rows, "out[0]")
+    _same_device(scales, rows, "out[1]")
+    r = data.shape[0]
+    if data.shape[1] != hidden or not data.is_contiguous():
+        raise ValueError(f"out[0]: expected a contiguous [R, {hidden}] tensor, got shape {tuple(data.shape)} "
+                         f"strides {data.stride()}")
+    if tuple(scales.shape) != (r, hidden // formats.FP8_GROUP) or not scales.is_contiguous():
+        raise ValueError(f"out[1]: expected a contiguous {(r, hidden // formats.FP8_GROUP)} tensor, got shape "
+                         f"{tuple(scales.shape)} strides {scales.stride()}")
+    if num_rows is not None and num_rows != r:
+        raise ValueError(f"num_rows: {num_rows} does not match out's {r} rows")
+    _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales)
+    return data, scales

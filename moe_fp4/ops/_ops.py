@@ -121,52 +121,54 @@ def _spec_scatter_rows(src, dests, dest_rows):
         dest[r[keep]] = src[keep]
 
 
-def _scatter_rows(src, dests, dest_rows):
+def _scatter_rows(src, dests, dest_rows, max_blocks=0):
     if _native_for(src):
-        _native.module().scatter_rows(src, dests, dest_rows)
+        _native.module().scatter_rows(src, dests, dest_rows, max_blocks)
     else:
         _spec_scatter_rows(src, dests, dest_rows)
 
 
 @torch.library.custom_op(f"{LIB}::scatter_rows", mutates_args=("dests",))
-def scatter_rows_op(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor) -> None:
-    _scatter_rows(src, dests, dest_rows)
+def scatter_rows_op(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, max_blocks: int) -> None:
+    _scatter_rows(src, dests, dest_rows, max_blocks)
 
 
 @scatter_rows_op.register_fake
-def _(src, dests, dest_rows):
+def _(src, dests, dest_rows, max_blocks):
     return None
 
 
 @torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_multi", mutates_args=("dests",))
 def quantize_mxfp4_rows_multi_op(
-    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool
+    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool,
+    max_blocks: int
 ) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk)
+        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk, max_blocks)
         return
     rows = quantize_mxfp4_rows_op(x, scale_rounding)  # other input dtypes (and the spec): rows, then the push
-    _scatter_rows(rows, dests, dest_rows)
+    _scatter_rows(rows, dests, dest_rows, max_blocks)
 
 
 @quantize_mxfp4_rows_multi_op.register_fake
-def _(x, scale_rounding, dests, dest_rows, bulk):
+def _(x, scale_rounding, dests, dest_rows, bulk, max_blocks):
     return None
 
 
 @torch.library.custom_op(f"{LIB}::quantize_fp8_blockwise_rows_multi", mutates_args=("dests",))
 def quantize_fp8_blockwise_rows_multi_op(
-    x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool
+    x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool, max_blocks: int
 ) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, bulk)
+        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, bulk, max_blocks)
         return
     data, scales = quantize_fp8_blockwise_op(x)  # other input dtypes (and the spec): rows, then the push
-    _scatter_rows(torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1), dests, dest_rows)
+    _scatter_rows(torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1), dests, dest_rows,
+                  max_blocks)
 
 
 @quantize_fp8_blockwise_rows_multi_op.register_fake
-def _(x, dests, dest_rows, bulk):
+def _(x, dests, dest_rows, bulk, max_blocks):
     return None
 
 
@@ -344,21 +346,29 @@ def _(x):
     return x.new_empty((t, formats.nvfp4_row_bytes(h)), dtype=torch.uint8)
 
 
-def _spec_expand_fp8_rows(rows, hidden, slots, num_rows):
+def _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales):
     data, scales, _underflow = formats.mxfp4_to_fp8_blockwise(*formats.unpack_mxfp4_rows(rows, hidden))
-    out = torch.zeros(num_rows, hidden, dtype=torch.uint8, device=rows.device)
-    out_scales = torch.zeros(num_rows, hidden // formats.FP8_GROUP, dtype=torch.float32, device=rows.device)
     token = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(slots)
-    keep = (slots >= 0) & (slots < num_rows)  # as the kernel: slots outside the output are skipped
-    out[slots[keep]] = data.view(torch.uint8)[token[keep]]
+    keep = (slots >= 0) & (slots < out.shape[0])  # as the kernel: slots outside the output are skipped
+    out.view(torch.uint8)[slots[keep]] = data.view(torch.uint8)[token[keep]]
     out_scales[slots[keep]] = scales[token[keep]]
-    return out.view(FP8), out_scales
+
+
+def _spec_expand_fp8_rows(rows, hidden, slots, num_rows):
+    out = torch.zeros(num_rows, hidden, dtype=torch.uint8, device=rows.device).view(FP8)
+    out_scales = torch.zeros(num_rows, hidden // formats.FP8_GROUP, dtype=torch.float32, device=rows.device)
+    _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
+    return out, out_scales
+
+
+def _native_rows(rows) -> bool:
+    return _native_for(rows) and rows.data_ptr() % 4 == 0 and (rows.shape[0] <= 1 or rows.stride(0) % 4 == 0)
 
 
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8", mutates_args=())
 def mxfp4_rows_expand_fp8_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor,
                              num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    if _native_for(rows) and rows.data_ptr() % 4 == 0 and (rows.shape[0] <= 1 or rows.stride(0) % 4 == 0):
+    if _native_rows(rows):
         return _native.module().mxfp4_rows_expand_fp8(rows, hidden, slots, num_rows)
     return _spec_expand_fp8_rows(rows, hidden, slots, num_rows)
 
@@ -367,3 +377,17 @@ def mxfp4_rows_expand_fp8_op(rows: torch.Tensor, hidden: int, slots: torch.Tenso
 def _(rows, hidden, slots, num_rows):
     return (rows.new_empty((num_rows, hidden), dtype=FP8),
             rows.new_empty((num_rows, hidden // formats.FP8_GROUP), dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales"))
+def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
+                                  out_scales: torch.Tensor) -> None:
+    if _native_rows(rows):
+        _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales)
+    else:
+        _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
+
+
+@mxfp4_rows_expand_fp8_into_op.register_fake
+def _(rows, hidden, slots, out, out_scales):
+    return None
