@@ -191,18 +191,19 @@ def case_symm_large(ctx, seed, mode):
     want_d, want_s = spec_fp8_of_rows(got.recv_rows, hidden, got.handle.expand_row)
     assert_bitwise_equal(got.fp8[0], want_d, "fused fp8 data vs spec")
     assert_bitwise_equal(got.fp8[1], want_s, "fused fp8 scales vs spec")
-    # per received token (converted as the rows land when pushing), and a push of one thread block
+    # per received token (own rows converted inside the push, peers' rows as they land), and both
+    # outputs with the conversion after the transfer
     n_recv = got.handle.num_recv_tokens
     tok_d, tok_s = spec_fp8_of_rows(got.recv_rows, hidden, torch.arange(n_recv, device=dev))
-    blocks = symm.backend.push_blocks
-    for push_blocks in (blocks, 1):
-        symm.backend.push_blocks = push_blocks
+    for overlap in (True, False):
+        symm.backend.overlap_fp8 = overlap
         tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
-        assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, push_blocks={push_blocks}")
-        assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, push_blocks={push_blocks}")
-        assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, push_blocks={push_blocks}")
-        _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, {push_blocks} blocks")
-    symm.backend.push_blocks = blocks
+        assert tok.fp8 is None
+        assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, overlap={overlap}")
+        assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, overlap={overlap}")
+        assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, overlap={overlap}")
+        _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, overlap={overlap}")
+    symm.backend.overlap_fp8 = True
     y = torch.randn(got.handle.num_rows, hidden, generator=g).to(dev, torch.bfloat16)
     want = Buffer(n_exp, ctx.group).combine(y, ref.handle)
     assert_bitwise_equal(symm.combine(y, got.handle), want, "combine hidden 7168")

@@ -150,3 +150,44 @@ def test_expansion_into_a_given_output_by_blocks(device):
     # checked above: named rows written, the others kept)
     torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_into.default, (plain, h, slots, *out),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+@pytest.mark.parametrize("device,bulk,blocks", [("cpu", False, None),
+                                                pytest.param("cuda", False, None, marks=pytest.mark.gpu),
+                                                pytest.param("cuda", True, 3, marks=pytest.mark.gpu)])
+def test_push_with_expansion_of_one_destination(device, bulk, blocks):
+    """quantize_mxfp4_rows_multi with fp8_out: every destination gets the spec's byte rows, and the
+    rows stored to fp8_dest also land, converted, in their expert rows (the dispatch's own rows)."""
+    t, h = (1500, 7168) if device == "cuda" else (40, 256)
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = (torch.randn(t, h, generator=g) * torch.exp2(torch.randint(-8, 8, (t, 1), generator=g).float()))
+    x[0, :32] = float("nan")  # a NaN block: its group's scale is NaN, its data zero
+    x = x.to(device, torch.bfloat16)
+    want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x))
+    width = want.shape[1]
+    peer_rows = torch.randperm(t + 5, generator=g)[:t].to(device)
+    peer_rows[torch.rand(t, generator=g).to(device) < 0.2] = -1  # tokens the peer does not take
+    own_rows = torch.randperm(t, generator=g).to(device)  # every own row written
+    rows = torch.stack((peer_rows, own_rows), dim=1).contiguous()
+    dests = [torch.full((t + 5, width), 0x5A, dtype=torch.uint8, device=device),
+             torch.full((t, width), 0xA5, dtype=torch.uint8, device=device)]
+    slots, num_rows, own_of_out = _routing(t, 8, 64, 24, device)
+    data = torch.randint(0, 256, (num_rows + 2, h), dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
+    scales = torch.rand(num_rows + 2, h // 128, device=device)
+    kept_d, kept_s = data[num_rows:].clone(), scales[num_rows:].clone()
+    ops.quantize_mxfp4_rows_multi(x, dests, rows, bulk_stores=bulk, max_blocks=blocks, fp8_dest=1, fp8_slots=slots,
+                                  fp8_out=(data, scales))
+    keep = peer_rows >= 0
+    assert_bitwise_equal(dests[0][peer_rows[keep]], want[keep], "peer rows")
+    assert_bitwise_equal(dests[1][own_rows], want, "own rows")
+    ref_d, ref_s = _expected(dests[1], h, own_of_out)
+    assert_bitwise_equal(data[:num_rows], ref_d, "expert rows data")
+    assert_bitwise_equal(scales[:num_rows], ref_s, "expert rows scales")
+    assert_bitwise_equal(data[num_rows:], kept_d, "rows no slot names")
+    assert_bitwise_equal(scales[num_rows:], kept_s, "scales no slot names")
+    with pytest.raises(ValueError, match="fp8_dest"):
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, fp8_dest=2, fp8_slots=slots, fp8_out=(data, scales))
+    with pytest.raises(ValueError, match="fp8_slots"):
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, fp8_dest=0, fp8_slots=slots, fp8_out=(data, scales))
+    with pytest.raises(ValueError, match="fp8_out"):
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, fp8_dest=1, fp8_slots=slots, fp8_out=data)

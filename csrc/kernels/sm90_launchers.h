@@ -55,6 +55,16 @@ struct QuantizeMxfp4Params {
   bool round_up;             // scale rounding: true "up" (rceil), false "down" (OCP floor)
   RowDestinations dests;     // num > 0 (bfloat16 x only): byte rows [H/2 packed | H/32 scales] to
                              // these destinations instead (packed, scales, row_index, out_rows unused)
+  // With destinations and fp8_out set: the rows stored to destination fp8_dest are also converted to
+  // FP8 1x128 (FP4RowToFP8Row, as launch_mxfp4_expand_fp8_rows) from the staged row and written to the
+  // output rows fp8_slots[r, 0..fp8_k), r the token's row in that destination (outside [0, fp8_rows):
+  // skipped). H must be a multiple of 128.
+  int fp8_dest;
+  const long long* fp8_slots;  // int64 [rows of destination fp8_dest, fp8_k]
+  int fp8_k;                   // 1..32
+  uint8_t* fp8_out;            // float8_e4m3fn [fp8_rows, H], or nullptr: no conversion
+  float* fp8_scales;           // float32 [fp8_rows, H/128]
+  long long fp8_rows;
 };
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream);
 

@@ -6,6 +6,7 @@
 // instruction; float32/float16 rows take 8 per lane.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
+#include "sm90_mxfp4_expand.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -276,8 +277,18 @@ __device__ __forceinline__ void finish_staged_rows(const RowDestinations& ds, in
 // kMulti: each token is read and encoded once into a row staged in shared memory (one per warp),
 // which the warp then stores to every destination of p.dests that takes it (peers' buffers over
 // NVLink); other warps' loads and encodes overlap those stores.
-template <bool kRoundUp, bool kMulti>
+// kExpand (with kMulti): a token stored to destination p.fp8_dest is also converted to FP8 1x128 from
+// the staged row and written to its output rows (p.fp8_slots), while its stores to the peers are in
+// flight: the dispatch's own rows reach the expert GEMMs' layout without another pass.
+template <bool kRoundUp, bool kMulti, bool kExpand = false>
 __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(const QuantizeMxfp4Params p) {
+  static_assert(kMulti || !kExpand, "the conversion reads the staged row of the multi-destination kernel");
+  const ExpandRemap* remap = nullptr;
+  if constexpr (kExpand) {
+    __shared__ ExpandRemap remap_table;
+    load_expand_remap(remap_table);
+    remap = &remap_table;
+  }
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
@@ -349,6 +360,19 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
       }
     }
     if constexpr (kMulti) phase = push_staged_row(p.dests, t, staged, lane, phase);
+    if constexpr (kExpand) {
+      const long long r = destination_row(p.dests, t, p.fp8_dest);
+      if (r >= 0) {  // (the same for the whole warp)
+        long long slot = -1;
+        if (lane < p.fp8_k) slot = p.fp8_slots[r * p.fp8_k + lane];
+        const uint32_t targets = __ballot_sync(0xFFFFFFFFu, slot >= 0 && slot < p.fp8_rows);
+        if (targets != 0u) {
+          expand_row_to_slots<true, true>(staged, staged + p.hidden / 2, p.hidden, targets, slot, p.fp8_out,
+                                          p.fp8_scales, *remap, lane);
+        }
+      }
+      __syncwarp();  // every lane has read the staged row before the next token overwrites it
+    }
   }
   if constexpr (kMulti) finish_staged_rows(p.dests, lane);
 }
@@ -493,7 +517,16 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
       break;
     }
     case FloatInput::kBFloat16: {
-      if (p.dests.num > 0) {
+      if (p.dests.num > 0 && p.fp8_out != nullptr) {
+        if (p.fp8_dest < 0 || p.fp8_dest >= p.dests.num || p.fp8_slots == nullptr || p.fp8_k < 1 || p.fp8_k > 32 ||
+            p.fp8_scales == nullptr || p.hidden % kFp8Group != 0) {
+          return cudaErrorInvalidValue;
+        }
+        auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, true, true>
+                            : sm90_quantize_mxfp4_bf16_kernel<false, true, true>;
+        const cudaError_t err = launch_staged(k, p, p.tokens, p.dests.row_bytes, stream);
+        if (err != cudaSuccess) return err;
+      } else if (p.dests.num > 0) {
         auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, true> : sm90_quantize_mxfp4_bf16_kernel<false, true>;
         const cudaError_t err = launch_staged(k, p, p.tokens, p.dests.row_bytes, stream);
         if (err != cudaSuccess) return err;

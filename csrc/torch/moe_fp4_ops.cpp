@@ -202,14 +202,49 @@ Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, cons
 
 // x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it (bulk:
 // by the copy engine where the addresses allow it, else by 16-byte stores).
+// With fp8_out: the rows stored to dests[fp8_dest] are also converted to FP8 1x128 and written to the
+// rows fp8_slots[r, :] of (fp8_out, fp8_scales), r the token's row in that destination.
 void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector<Tensor>& dests,
-                               const Tensor& dest_rows, bool bulk, int64_t max_blocks) {
+                               const Tensor& dest_rows, bool bulk, int64_t max_blocks, int64_t fp8_dest,
+                               const c10::optional<Tensor>& fp8_slots, const c10::optional<Tensor>& fp8_out,
+                               const c10::optional<Tensor>& fp8_scales) {
   check_float_rows(x, 32);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
   auto p = multi_rows_params<moe_fp4::QuantizeMxfp4Params>(x, dests, dest_rows, h / 2 + h / 32, bulk, max_blocks);
   p.round_up = round_up;
+  if (fp8_out.has_value()) {
+    TORCH_CHECK(fp8_slots.has_value() && fp8_scales.has_value(), "fp8_out: needs fp8_slots and fp8_scales");
+    TORCH_CHECK(fp8_dest >= 0 && fp8_dest < static_cast<int64_t>(dests.size()), "fp8_dest: expected a destination "
+                "index in [0, ", dests.size(), "), got ", fp8_dest);
+    TORCH_CHECK(h % 128 == 0, "x: FP8 1x128 output needs a hidden size that is a multiple of 128, got ", h);
+    const Tensor& slots = *fp8_slots;
+    const Tensor& out = *fp8_out;
+    const Tensor& out_scales = *fp8_scales;
+    MOE_FP4_CHECK_SAME_DEVICE(slots, x, "fp8_slots");
+    MOE_FP4_CHECK_DTYPE(slots, at::kLong, "fp8_slots");
+    MOE_FP4_CHECK_DIM(slots, 2, "fp8_slots");
+    TORCH_CHECK(slots.is_contiguous() && slots.size(0) == dests[fp8_dest].size(0) && slots.size(1) >= 1 &&
+                    slots.size(1) <= 32,
+                "fp8_slots: expected a contiguous [", dests[fp8_dest].size(0), ", k] tensor with 1 <= k <= 32, got ",
+                slots.sizes());
+    MOE_FP4_CHECK_SAME_DEVICE(out, x, "fp8_out");
+    MOE_FP4_CHECK_SAME_DEVICE(out_scales, x, "fp8_scales");
+    MOE_FP4_CHECK_DTYPE(out, at::kFloat8_e4m3fn, "fp8_out");
+    MOE_FP4_CHECK_DTYPE(out_scales, at::kFloat, "fp8_scales");
+    TORCH_CHECK(out.dim() == 2 && out.size(1) == h && out.is_contiguous(), "fp8_out: expected a contiguous [R, ", h,
+                "] tensor, got ", out.sizes());
+    TORCH_CHECK(out_scales.dim() == 2 && out_scales.size(0) == out.size(0) && out_scales.size(1) == h / 128 &&
+                    out_scales.is_contiguous(),
+                "fp8_scales: expected a contiguous [", out.size(0), ", ", h / 128, "] tensor, got ", out_scales.sizes());
+    p.fp8_dest = static_cast<int>(fp8_dest);
+    p.fp8_slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());
+    p.fp8_k = static_cast<int>(slots.size(1));
+    p.fp8_out = out.numel() ? reinterpret_cast<uint8_t*>(out.data_ptr()) : nullptr;
+    p.fp8_scales = out_scales.data_ptr<float>();
+    p.fp8_rows = out.size(0);
+  }
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows_multi");
 }
 
@@ -537,7 +572,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("round_up"), py::arg("out"), py::arg("row_index"));
   m.def("quantize_mxfp4_rows_multi", &quantize_mxfp4_rows_multi,
         "x [T,H] bfloat16 -> MXFP4 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0);
+        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0,
+        py::arg("fp8_dest") = -1, py::arg("fp8_slots") = py::none(), py::arg("fp8_out") = py::none(),
+        py::arg("fp8_scales") = py::none());
   m.def("quantize_fp8_blockwise_rows_multi", &quantize_fp8_blockwise_rows_multi,
         "x [T,H] bfloat16 -> FP8 1x128 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
         py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0);

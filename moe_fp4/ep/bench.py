@@ -309,21 +309,20 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
             res.append((f"push: fp8 rows, fused quantize, bulk_stores={bulk}",
                         timer(lambda bulk=bulk: ops.quantize_fp8_blockwise_rows_multi(
                             x, fp8_dests, push_plan["peer_rank_table"], bulk_stores=bulk))))
-    # the FP8 conversion beside the transfer (push_rows_fp8): push blocks, and the conversion after it
-    saved = (b.push_blocks, b.overlap_fp8)
-    for blocks in sorted({32, 66, 132, 264, 528, saved[0]}):
-        b.push_blocks = blocks
-        res.append((f"e2e mxfp4 expert rows, overlapped, push_blocks={blocks}",
+    # the FP8 conversion on the way (push_rows_fp8) against the conversion after the transfer
+    fp8_out = (torch.empty(h.num_rows, hidden, dtype=torch.float8_e4m3fn, device=x.device),
+               torch.empty(h.num_rows, hidden // 128, dtype=torch.float32, device=x.device))
+    res.append(("push with the own rows' expansion to FP8 expert rows inside the kernel",
+                timer(lambda: codec.encode_push_expand(x, dests, push_plan["peer_rank_table"], me, h.slot_table,
+                                                       fp8_out))))
+    for overlap in (True, False):
+        b.overlap_fp8 = overlap
+        when = "on the way" if overlap else "after the transfer"
+        res.append((f"e2e mxfp4 to expert rows, converted {when}",
                     timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
-        res.append((f"tok mxfp4 per token, overlapped, push_blocks={blocks}",
+        res.append((f"tok mxfp4 per token, converted {when}",
                     timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
-    b.push_blocks = saved[0]
-    b.overlap_fp8 = False
-    res.append(("e2e mxfp4 expert rows, converted after the transfer",
-                timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
-    res.append(("tok mxfp4 per token, converted after the transfer",
-                timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
-    b.overlap_fp8 = saved[1]
+    b.overlap_fp8 = True
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",

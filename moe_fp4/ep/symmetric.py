@@ -36,7 +36,6 @@ the backend is dropped (a peer may still be reading them).
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
@@ -63,17 +62,15 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       first allocation: they push only if every rank can map its peers' buffers as tensors, else all
       pull (a warning says which rank could not);
     timeout_ms: how long a device barrier waits for a peer before the kernel traps;
-    push_blocks: thread blocks of the push to the peers when a dispatch converts its rows to FP8 on
-      the way (``Buffer.dispatch(return_fp8=...)``): the push then runs on the side stream with at most
-      this many blocks while this rank's own rows are encoded and converted beside it (None:
-      MOE_FP4_PUSH_BLOCKS, else 2 per SM);
-    overlap_fp8: convert the received rows to FP8 beside the transfer when a dispatch asks for FP8
-      (True, the default, for payloads that convert in place: mxfp4 with the native ops), or after it."""
+    overlap_fp8: when a dispatch asks for FP8 (``Buffer.dispatch(return_fp8=...)``), convert this
+      rank's own rows inside the push kernel and the peers' rows straight out of the buffer as soon as
+      they have landed (True, the default, for payloads that convert in place: mxfp4 with the native
+      ops; ``push_rows_fp8``), or convert the received rows after the transfer (False)."""
 
     direct = True
 
     def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000,
-                 push_blocks: int | None = None, overlap_fp8: bool = True):
+                 overlap_fp8: bool = True):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -87,13 +84,6 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self.chunks = chunks
         self.push = bool(push)
         self.timeout_ms = timeout_ms
-        if push_blocks is None:
-            env = os.environ.get("MOE_FP4_PUSH_BLOCKS", "")
-            push_blocks = int(env) if env.strip() else \
-                2 * torch.cuda.get_device_properties(self.device).multi_processor_count
-        if isinstance(push_blocks, bool) or not isinstance(push_blocks, int) or push_blocks < 1:
-            raise ValueError(f"push_blocks: expected a positive int, got {push_blocks!r}")
-        self.push_blocks = push_blocks
         self.overlap_fp8 = bool(overlap_fp8)
         self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
@@ -237,17 +227,6 @@ class _DirectPlan(dict):
         table = self.handle.rank_table
         return torch.where(table >= 0, table + self["delta"].unsqueeze(0), table)
 
-    def _peer_table(self):
-        # peer_rank_table without this rank's column: the push to the other ranks only
-        h = self.handle
-        keep = [r for r in range(h.world_size) if r != h.rank]
-        return self["peer_rank_table"][:, keep].contiguous()
-
-    def _own_table(self):
-        # this rank's column: the rows a rank sends itself (their place in its received rows)
-        h = self.handle
-        return self["peer_rank_table"][:, h.rank:h.rank + 1].contiguous()
-
     def _token_slots(self):
         # received row j -> FP8 row j: the per-token conversion as an expansion with one slot
         return torch.arange(self.handle.num_recv_tokens, device=self.handle.send_token.device).unsqueeze(1)
@@ -350,18 +329,17 @@ def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -
 
 
 def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, per_token: bool):
-    """The push dispatch with the received rows converted to FP8 1x128 as they land: x [T, H] ->
+    """The push dispatch with the received rows converted to FP8 1x128 on the way: x [T, H] ->
     (received rows uint8 [n_recv, row_bytes] as ``push_rows`` returns them, (float8_e4m3fn [R, H],
     float32 [R, H/128])) with R = n_recv (``per_token``: row j is received row j) or the handle's
     expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``).
 
-    The push to the other ranks runs on the side stream (high priority) with at most
-    ``backend.push_blocks`` thread blocks, so the GPU keeps free SM slots while it waits on NVLink;
-    meanwhile, on the calling stream, this rank encodes its own rows into its received rows and
-    converts them. After the barrier that says every rank's rows have landed, the peers' blocks are
-    converted straight out of the own buffer while the side stream copies them to the received rows.
-    Only for codecs that convert in place (``expands_in_place``); the bits equal converting after
-    the transfer."""
+    One kernel encodes each token once and stores its row to every receiver; a row this rank sends
+    itself is also converted, from the row staged in shared memory, to its FP8 rows while the stores
+    to the peers are in flight (``codec.encode_push_expand``). After the barrier that says every
+    rank's rows have landed, the peers' blocks are converted straight out of this rank's buffer,
+    while the side stream copies them to the received rows. Only for codecs that convert in place
+    (``expands_in_place``); the bits equal converting after the transfer."""
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
     width = codec.row_bytes(hidden)
@@ -379,24 +357,14 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
            torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
     lo = start_offsets(handle.recv_counts)[me]
     hi = lo + handle.recv_counts[me]
-    peers = [r for r in range(w) if r != me]
-    main, side = torch.cuda.current_stream(backend.device), backend.side_stream
+    dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
     backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        if peers:
-            codec.encode_push(x, [backend.peer_rows(r, recv_per_rank[r], width) for r in peers], plan["peer_table"],
-                              max_blocks=backend.push_blocks)
-        backend.barrier(1)  # every rank's rows have landed
-        landed = torch.cuda.Event()
-        landed.record(side)
-    # this rank's own rows, beside the push
-    if hi > lo:
-        codec.encode_push(x, [recv], plan["own_table"])
-        codec.expand_fp8_blockwise_into(recv[lo:hi], hidden, slots[lo:hi], out)
-    main.wait_event(landed)
+    codec.encode_push_expand(x, dests, plan["peer_rank_table"], me, slots, out)
+    backend.barrier(1)  # every rank's rows have landed
     own = backend.staging(n, width)
     blocks = [(a, b) for a, b in ((0, lo), (hi, n)) if b > a]
+    main, side = torch.cuda.current_stream(backend.device), backend.side_stream
+    side.wait_stream(main)
     for a, b in blocks:
         codec.expand_fp8_blockwise_into(own[a:b], hidden, slots[a:b], out)
     with torch.cuda.stream(side):  # the received rows' copy beside the conversion

@@ -248,6 +248,9 @@ def quantize_mxfp4_rows_multi(
     scale_rounding: str = "up",
     bulk_stores: bool | None = None,
     max_blocks: int | None = None,
+    fp8_dest: int | None = None,
+    fp8_slots: torch.Tensor | None = None,
+    fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """BF16ToFP4Row to several destinations at once: each token is read and encoded once and its byte
     row (quantize_mxfp4_rows' layout) stored into every destination that takes it. The expert-parallel
@@ -269,13 +272,55 @@ def quantize_mxfp4_rows_multi(
     max_blocks: launch at most this many thread blocks of 256 threads (their warps stride over the
       tokens), so kernels on other streams find free SM slots while this one runs (the dispatch gives
       a push over NVLink part of the GPU and converts its own rows beside it); None: fill the GPU.
+    fp8_dest, fp8_slots, fp8_out: also convert the rows stored to dests[fp8_dest] to FP8 1x128, in
+      the same pass (on CUDA from the row the kernel has just staged, while its stores to the other
+      destinations are in flight): fp8_slots int64 [R_fp8_dest, k] (1 <= k <= 32), contiguous, the
+      output rows of each row of that destination (-1 or outside the output: none); fp8_out
+      (float8_e4m3fn [R, H], float32 [R, H/128]), contiguous, written in place as
+      ``mxfp4_rows_expand_fp8_blockwise(dests[fp8_dest][rows written], H, fp8_slots[...], out=fp8_out)``
+      would (H a multiple of 128); rows no written row names are left untouched.
     Writes in place and returns None; other rows of the destinations are left untouched.
     """
     _float_rows(x, 32)
     _rounding(scale_rounding)
     _destinations(dests, dest_rows, x, x.shape[0], formats.mxfp4_row_bytes(x.shape[1]))
+    expand = (-1, None, None, None)
+    if fp8_dest is not None or fp8_slots is not None or fp8_out is not None:
+        if isinstance(fp8_dest, bool) or not isinstance(fp8_dest, int) or not 0 <= fp8_dest < len(dests):
+            raise ValueError(f"fp8_dest: expected a destination index in [0, {len(dests)}), got {fp8_dest!r}")
+        h = x.shape[1]
+        if h % formats.FP8_GROUP:
+            raise ValueError(f"x: FP8 1x128 output needs a hidden size that is a multiple of {formats.FP8_GROUP}, "
+                             f"got {h}")
+        _tensor(fp8_slots, "fp8_slots", (torch.int64,), 2)
+        _same_device(fp8_slots, x, "fp8_slots")
+        rows_d = dests[fp8_dest].shape[0]
+        if fp8_slots.shape[0] != rows_d or not 1 <= fp8_slots.shape[1] <= 32 or not fp8_slots.is_contiguous():
+            raise ValueError(f"fp8_slots: expected a contiguous ({rows_d}, k) tensor with 1 <= k <= 32, got shape "
+                             f"{tuple(fp8_slots.shape)} strides {fp8_slots.stride()}")
+        data, scales = _fp8_pair(fp8_out, h, x, "fp8_out")
+        expand = (fp8_dest, fp8_slots, data, scales)
     _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores),
-                                      _max_blocks(max_blocks))
+                                      _max_blocks(max_blocks), *expand)
+
+
+def _fp8_pair(out, hidden, ref, name):
+    """Checks an FP8 1x128 output pair (float8_e4m3fn [R, H], float32 [R, H/128]), both contiguous."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"{name}: expected a (data, scales) pair of tensors, got {type(out).__name__}")
+    data, scales = out
+    _tensor(data, f"{name}[0]", (torch.float8_e4m3fn,), 2)
+    _tensor(scales, f"{name}[1]", (torch.float32,), 2)
+    _same_device(data, ref, f"{name}[0]")
+    _same_device(scales, ref, f"{name}[1]")
+    r = data.shape[0]
+    if data.shape[1] != hidden or not data.is_contiguous():
+        raise ValueError(f"{name}[0]: expected a contiguous [R, {hidden}] tensor, got shape {tuple(data.shape)} "
+                         f"strides {data.stride()}")
+    if tuple(scales.shape) != (r, hidden // formats.FP8_GROUP) or not scales.is_contiguous():
+        raise ValueError(f"{name}[1]: expected a contiguous {(r, hidden // formats.FP8_GROUP)} tensor, got shape "
+                         f"{tuple(scales.shape)} strides {scales.stride()}")
+    return data, scales
 
 
 def _max_blocks(max_blocks):
@@ -509,20 +554,8 @@ def mxfp4_rows_expand_fp8_blockwise(
         if not isinstance(num_rows, int) or num_rows < 0:
             raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
         return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise ValueError(f"out: expected a (data, scales) pair of tensors, got {type(out).__name__}")
-    data, scales = out
-    _tensor(data, "out[0]", (torch.float8_e4m3fn,), 2)
-    _tensor(scales, "out[1]", (torch.float32,), 2)
-    _same_device(data, rows, "out[0]")
-    _same_device(scales, rows, "out[1]")
+    data, scales = _fp8_pair(out, hidden, rows, "out")
     r = data.shape[0]
-    if data.shape[1] != hidden or not data.is_contiguous():
-        raise ValueError(f"out[0]: expected a contiguous [R, {hidden}] tensor, got shape {tuple(data.shape)} "
-                         f"strides {data.stride()}")
-    if tuple(scales.shape) != (r, hidden // formats.FP8_GROUP) or not scales.is_contiguous():
-        raise ValueError(f"out[1]: expected a contiguous {(r, hidden // formats.FP8_GROUP)} tensor, got shape "
-                         f"{tuple(scales.shape)} strides {scales.stride()}")
     if num_rows is not None and num_rows != r:
         raise ValueError(f"num_rows: {num_rows} does not match out's {r} rows")
     _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales)

@@ -138,20 +138,26 @@ def _(src, dests, dest_rows, max_blocks):
     return None
 
 
-@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_multi", mutates_args=("dests",))
+@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_multi", mutates_args=("dests", "fp8_out", "fp8_scales"))
 def quantize_mxfp4_rows_multi_op(
     x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool,
-    max_blocks: int
+    max_blocks: int, fp8_dest: int, fp8_slots: torch.Tensor | None, fp8_out: torch.Tensor | None,
+    fp8_scales: torch.Tensor | None,
 ) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk, max_blocks)
+        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk, max_blocks,
+                                                   fp8_dest, fp8_slots, fp8_out, fp8_scales)
         return
     rows = quantize_mxfp4_rows_op(x, scale_rounding)  # other input dtypes (and the spec): rows, then the push
     _scatter_rows(rows, dests, dest_rows, max_blocks)
+    if fp8_out is not None:  # then the rows of that destination this call wrote, converted
+        r = dest_rows[:, fp8_dest]
+        r = r[(r >= 0) & (r < dests[fp8_dest].shape[0])]
+        _spec_expand_fp8_rows_into(dests[fp8_dest][r], x.shape[1], fp8_slots[r], fp8_out, fp8_scales)
 
 
 @quantize_mxfp4_rows_multi_op.register_fake
-def _(x, scale_rounding, dests, dest_rows, bulk, max_blocks):
+def _(x, scale_rounding, dests, dest_rows, bulk, max_blocks, fp8_dest, fp8_slots, fp8_out, fp8_scales):
     return None
 
 
