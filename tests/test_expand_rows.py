@@ -145,10 +145,25 @@ def test_expansion_into_a_given_output_by_blocks(device):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, out=(out[0], out[1][1:]))
     with pytest.raises(ValueError, match="out"):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, out=out[0])
+    # the rows copied in the same pass: into a tensor, a view with 4-byte aligned rows, and without out
+    wide = torch.full((n, rows.shape[1] + 4), 0x33, dtype=torch.uint8, device=device)
+    for copy in (torch.full_like(rows, 0x33), wide[:, 4:]):
+        d2, s2 = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, out=(torch.empty_like(data),
+                                                                           torch.empty_like(scales)), copy_to=copy)
+        assert_bitwise_equal(copy, rows, "copied rows")
+        assert_bitwise_equal(d2, ref_d, "data with a copy")
+        assert_bitwise_equal(s2, ref_s, "scales with a copy")
+    assert bool((wide[:, :4] == 0x33).all()), "bytes beside the copied rows were written"
+    copy = torch.empty_like(rows)
+    d3, _ = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_to=copy)
+    assert_bitwise_equal(copy, rows, "copied rows, new output")
+    assert_bitwise_equal(d3, ref_d, "data, new output with a copy")
+    with pytest.raises(ValueError, match="copy_to"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_to=copy[1:])
     plain = _mxfp4_rows(n, h, device)
     # (opcheck's schema test compares mutated tensors with arithmetic float8 lacks; the mutation itself is
     # checked above: named rows written, the others kept)
-    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_into.default, (plain, h, slots, *out),
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_into.default, (plain, h, slots, *out, None),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

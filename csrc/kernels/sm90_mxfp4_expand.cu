@@ -14,6 +14,20 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
+// One warp copies a byte row of `bytes` bytes (both ends 4-byte aligned): 16-byte accesses where both
+// rows allow them, else 4-byte ones. Plain loads: the conversion's loads that follow hit the cache.
+__device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    for (int i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+  } else {
+    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    for (int i = lane; i < bytes / 4; i += 32) d[i] = s[i];
+  }
+}
+
 template <bool kVec8>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(const Mxfp4ExpandFp8RowsParams p) {
   __shared__ ExpandRemap remap;
@@ -21,12 +35,13 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(co
   const int lane = threadIdx.x & 31;
   const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= p.tokens) return;
+  const uint8_t* prow = p.rows + t * p.row_stride;
+  if (p.copy_to != nullptr) copy_row(prow, p.copy_to + t * p.copy_stride, p.hidden / 2 + p.hidden / 32, lane);
   long long slot = -1;
   if (lane < p.k) slot = p.slots[t * p.k + lane];
   const bool valid = slot >= 0 && slot < p.num_rows;
   const uint32_t targets = __ballot_sync(0xFFFFFFFFu, valid);  // lanes whose slot names an output row
   if (targets == 0u) return;
-  const uint8_t* prow = p.rows + t * p.row_stride;
   expand_row_to_slots<false, kVec8>(prow, prow + p.hidden / 2, p.hidden, targets, slot, p.out, p.out_scales, remap,
                                     lane);
 }

@@ -489,8 +489,9 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
 // -> out e4m3 [R, H], out_scales float32 [R, H/128] (written in place): row t converted once
 // (FP4RowToFP8Row) and written to each of its slots' rows; slots outside [0, R) are skipped and the other
 // output rows are left untouched (so several calls may fill one output, e.g. one per source block).
+// copy_to (optional): uint8 [n, H/2 + H/32] with 4-byte aligned rows, receives each byte row as it is.
 void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor& slots, const Tensor& out,
-                                const Tensor& out_scales) {
+                                const Tensor& out_scales, const c10::optional<Tensor>& copy_to) {
   check_mxfp4_byte_rows(rows, hidden);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
               "rows: rows must be 4-byte aligned");
@@ -511,10 +512,25 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
                   out_scales.is_contiguous(),
               "out_scales: expected a contiguous [", out.size(0), ", ", hidden / 128, "] tensor, got ",
               out_scales.sizes());
+  if (copy_to.has_value()) {
+    const Tensor& c = *copy_to;
+    MOE_FP4_CHECK_SAME_DEVICE(c, rows, "copy_to");
+    MOE_FP4_CHECK_DTYPE(c, at::kByte, "copy_to");
+    TORCH_CHECK(c.dim() == 2 && c.size(0) == rows.size(0) && c.size(1) == rows.size(1) &&
+                    (c.size(0) == 0 || c.stride(1) == 1),
+                "copy_to: expected a [", rows.size(0), ", ", rows.size(1), "] tensor with contiguous rows, got ",
+                c.sizes(), " strides ", c.strides());
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(c.data_ptr()) % 4 == 0 && (c.size(0) <= 1 || c.stride(0) % 4 == 0),
+                "copy_to: rows must be 4-byte aligned");
+  }
   const int64_t num_rows = out.size(0);
-  if (rows.size(0) == 0 || num_rows == 0) return;
+  if (rows.size(0) == 0 || (num_rows == 0 && !copy_to.has_value())) return;
   const c10::cuda::CUDAGuard guard(rows.device());
   moe_fp4::Mxfp4ExpandFp8RowsParams p{};
+  if (copy_to.has_value()) {
+    p.copy_to = copy_to->data_ptr<uint8_t>();
+    p.copy_stride = copy_to->stride(0);
+  }
   p.rows = rows.data_ptr<uint8_t>();
   p.row_stride = rows.stride(0);
   p.slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());
@@ -535,7 +551,7 @@ std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hid
   check_mxfp4_byte_rows(rows, hidden);
   Tensor out = at::empty({num_rows, hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({num_rows, hidden / 128}, rows.options().dtype(at::kFloat));
-  mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales);
+  mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, c10::nullopt);
   return {out, out_scales};
 }
 
@@ -599,7 +615,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("num_rows"));
   m.def("mxfp4_rows_expand_fp8_into", &mxfp4_rows_expand_fp8_into,
         "MXFP4 byte rows -> FP8 1x128 rows written in place to their slots' rows of out", py::arg("rows"),
-        py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"));
+        py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"), py::arg("copy_to") = py::none());
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
 }

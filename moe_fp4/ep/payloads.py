@@ -151,10 +151,11 @@ class PayloadCodec:
         return False
 
     def expand_fp8_blockwise_into(self, rows: torch.Tensor, hidden: int, slot_table: torch.Tensor,
-                                  out: tuple[torch.Tensor, torch.Tensor]) -> None:
+                                  out: tuple[torch.Tensor, torch.Tensor], copy_to: torch.Tensor | None = None) -> None:
         """The FP8 1x128 of each row written in place to its slots' rows of out = (float8_e4m3fn
-        [R, H], float32 [R, H/128]); slots -1 (or outside [0, R)) skipped, other rows untouched. Only
-        where ``expands_in_place`` says so."""
+        [R, H], float32 [R, H/128]); slots -1 (or outside [0, R)) skipped, other rows untouched; with
+        copy_to (uint8 like rows) the rows are also copied there in the same pass. Only where
+        ``expands_in_place`` says so."""
         raise NotImplementedError(f"the {self.name} payload has no in-place expansion")
 
     def encode_push_expand(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, fp8_dest: int,
@@ -333,10 +334,10 @@ class MXFP4Payload(PayloadCodec):
         """CUDA rows with the native ops built (``ops.mxfp4_rows_expand_fp8_blockwise`` with ``out``)."""
         return rows.is_cuda and ops.native_available() and hidden % FP8_GROUP == 0 and 1 <= k <= 32
 
-    def expand_fp8_blockwise_into(self, rows, hidden, slot_table, out):
+    def expand_fp8_blockwise_into(self, rows, hidden, slot_table, out, copy_to=None):
         _check_rows(rows, self.row_bytes(hidden), hidden)
         if rows.shape[0]:
-            ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, out=out)
+            ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, out=out, copy_to=copy_to)
 
     def encode_push_expand(self, x, dests, dest_rows, fp8_dest, slot_table, out):
         """One kernel on CUDA for bfloat16 x: each token encoded once, its row stored to every

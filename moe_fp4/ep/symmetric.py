@@ -337,8 +337,8 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     One kernel encodes each token once and stores its row to every receiver; a row this rank sends
     itself is also converted, from the row staged in shared memory, to its FP8 rows while the stores
     to the peers are in flight (``codec.encode_push_expand``). After the barrier that says every
-    rank's rows have landed, the peers' blocks are converted straight out of this rank's buffer,
-    while the side stream copies them to the received rows. Only for codecs that convert in place
+    rank's rows have landed, the peers' blocks are converted straight out of this rank's buffer and
+    copied to the received rows in the same pass. Only for codecs that convert in place
     (``expands_in_place``); the bits equal converting after the transfer."""
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
@@ -362,15 +362,9 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     codec.encode_push_expand(x, dests, plan["peer_rank_table"], me, slots, out)
     backend.barrier(1)  # every rank's rows have landed
     own = backend.staging(n, width)
-    blocks = [(a, b) for a, b in ((0, lo), (hi, n)) if b > a]
-    main, side = torch.cuda.current_stream(backend.device), backend.side_stream
-    side.wait_stream(main)
-    for a, b in blocks:
-        codec.expand_fp8_blockwise_into(own[a:b], hidden, slots[a:b], out)
-    with torch.cuda.stream(side):  # the received rows' copy beside the conversion
-        for a, b in blocks:
-            recv[a:b].copy_(own[a:b])
-    main.wait_stream(side)
+    for a, b in ((0, lo), (hi, n)):  # the peers' blocks: converted and copied out in one pass
+        if b > a:
+            codec.expand_fp8_blockwise_into(own[a:b], hidden, slots[a:b], out, copy_to=recv[a:b])
     return recv, out
 
 

@@ -524,7 +524,7 @@ def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
 
 def mxfp4_rows_expand_fp8_blockwise(
     rows: torch.Tensor, hidden: int, slots: torch.Tensor, num_rows: int | None = None, *,
-    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None, copy_to: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4RowToFP8Row fused with the expansion to expert rows: each byte row converted once and
     written to each of its output rows.
@@ -535,7 +535,9 @@ def mxfp4_rows_expand_fp8_blockwise(
       with ``out``, else must equal its rows);
     out: (float8_e4m3fn [R, H], float32 [R, H/128]), contiguous, on rows' device: written in place
       (only the rows named by slots; the others keep their values, so calls for disjoint row blocks
-      can fill one output, e.g. one per source rank of a dispatch, each as its rows arrive).
+      can fill one output, e.g. one per source rank of a dispatch, each as its rows arrive);
+    copy_to: uint8 [n, H/2 + H/32] with contiguous rows, on rows' device: also receives the byte rows
+      as they are, in the same pass (the dispatch copies received rows out of its transfer buffer so).
     Returns (float8_e4m3fn [R, H], float32 [R, H/128]) (``out`` when given): output row slots[t, j]
     is the FP8 1x128 of rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). Without ``out`` the
     caller names every output row once; a row named by no slot is left unwritten on CUDA (zeros in the
@@ -550,13 +552,22 @@ def mxfp4_rows_expand_fp8_blockwise(
         raise ValueError(f"slots: expected shape ({rows.shape[0]}, k) with 1 <= k <= 32, got {tuple(slots.shape)}")
     if not slots.is_contiguous():
         raise ValueError(f"slots: expected a contiguous tensor, got strides {slots.stride()}")
+    if copy_to is not None:
+        _tensor(copy_to, "copy_to", (torch.uint8,), 2)
+        _same_device(copy_to, rows, "copy_to")
+        if copy_to.shape != rows.shape or (copy_to.shape[0] and copy_to.stride(1) != 1):
+            raise ValueError(f"copy_to: expected shape {tuple(rows.shape)} with contiguous rows, got shape "
+                             f"{tuple(copy_to.shape)} strides {copy_to.stride()}")
     if out is None:
         if not isinstance(num_rows, int) or num_rows < 0:
             raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
-        return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)
+        if copy_to is None:
+            return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)
+        out = (torch.empty(num_rows, hidden, dtype=torch.float8_e4m3fn, device=rows.device),
+               torch.zeros(num_rows, hidden // formats.FP8_GROUP, dtype=torch.float32, device=rows.device))
     data, scales = _fp8_pair(out, hidden, rows, "out")
     r = data.shape[0]
     if num_rows is not None and num_rows != r:
         raise ValueError(f"num_rows: {num_rows} does not match out's {r} rows")
-    _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales)
+    _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales, copy_to)
     return data, scales

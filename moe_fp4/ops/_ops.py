@@ -385,15 +385,18 @@ def _(rows, hidden, slots, num_rows):
             rows.new_empty((num_rows, hidden // formats.FP8_GROUP), dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales"))
+@torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales", "copy_to"))
 def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
-                                  out_scales: torch.Tensor) -> None:
-    if _native_rows(rows):
-        _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales)
-    else:
-        _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
+                                  out_scales: torch.Tensor, copy_to: torch.Tensor | None) -> None:
+    if _native_rows(rows) and (copy_to is None or (copy_to.data_ptr() % 4 == 0 and
+                                                   (copy_to.shape[0] <= 1 or copy_to.stride(0) % 4 == 0))):
+        _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, copy_to)
+        return
+    _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
+    if copy_to is not None:
+        copy_to.copy_(rows)
 
 
 @mxfp4_rows_expand_fp8_into_op.register_fake
-def _(rows, hidden, slots, out, out_scales):
+def _(rows, hidden, slots, out, out_scales, copy_to):
     return None
