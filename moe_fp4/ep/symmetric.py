@@ -10,6 +10,9 @@
             bf16: ``ops.scatter_rows`` of the tokens' bytes; other codecs: encode, then that push).
             After a device barrier each rank copies the peers' blocks out of its own buffer into its
             receive rows (a local copy, so the returned rows outlive the next dispatch).
+            With FP8 output asked for (``push_rows_fp8``: mxfp4 with the native ops) the push kernel
+            also converts the rows a rank sends itself to FP8 from its staged row, and the peers'
+            blocks are converted and copied out of the buffer in one pass after the barrier.
             (pull, ``push=False`` or ``chunks > 1``) every rank encodes its tokens into its own
             staging buffer, in token order; after a barrier each receiver copies the rows it needs,
             from every source's buffer, into its receive rows (one Triton copy kernel).
