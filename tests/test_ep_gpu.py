@@ -195,15 +195,19 @@ def case_symm_large(ctx, seed, mode):
     # outputs with the conversion after the transfer
     n_recv = got.handle.num_recv_tokens
     tok_d, tok_s = spec_fp8_of_rows(got.recv_rows, hidden, torch.arange(n_recv, device=dev))
-    for overlap in (True, False):
-        symm.backend.overlap_fp8 = overlap
-        tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
-        assert tok.fp8 is None
-        assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, overlap={overlap}")
-        assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, overlap={overlap}")
-        assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, overlap={overlap}")
-        _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, overlap={overlap}")
-    symm.backend.overlap_fp8 = True
+    be = symm.backend
+    saved = (be.overlap_fp8, be.fp8_chunks, be.push_blocks)
+    for overlap, chunks, blocks in ((True, 1, None), (False, 1, None), (True, 3, 5), (True, 2, None)):
+        be.overlap_fp8, be.fp8_chunks, be.push_blocks = overlap, chunks, blocks
+        what = f"overlap={overlap}, {chunks} slices, push_blocks={blocks}"
+        for _ in range(2):  # the second time with the slices' cached slot tables
+            tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
+            assert tok.fp8 is None
+            assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, {what}")
+            assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, {what}")
+            assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, {what}")
+            _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, {what}")
+    be.overlap_fp8, be.fp8_chunks, be.push_blocks = saved
     y = torch.randn(got.handle.num_rows, hidden, generator=g).to(dev, torch.bfloat16)
     want = Buffer(n_exp, ctx.group).combine(y, ref.handle)
     assert_bitwise_equal(symm.combine(y, got.handle), want, "combine hidden 7168")
@@ -227,9 +231,12 @@ def case_symm_sync_budget(ctx, seed, mode):
     try:
         again = buf.dispatch(x, handle=out.handle, return_fp8=True)
         combined = buf.combine(y, out.handle)
+        buf.backend.fp8_chunks, buf.backend.push_blocks = 2, 8  # sliced, its plan built on first use
+        sliced = buf.dispatch(x, handle=out.handle, return_fp8="tokens")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_bitwise_equal(again.rows, out.rows, "cached dispatch")
+    assert_bitwise_equal(sliced.recv_rows, out.recv_rows, "cached sliced dispatch")
     return tuple(combined.shape)
 
 

@@ -145,19 +145,25 @@ def test_expansion_into_a_given_output_by_blocks(device):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, out=(out[0], out[1][1:]))
     with pytest.raises(ValueError, match="out"):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, out=out[0])
-    # the rows copied in the same pass: into a tensor, a view with 4-byte aligned rows, and without out
+    # the rows that name an output row copied in the same pass (the others left as they were): into a
+    # tensor, a view with 4-byte aligned rows, and without out
+    masked = slots.clone()
+    masked[[1, n // 2]] = -1  # rows that name no output row (a slice of a dispatch masks the others so)
+    named = ((masked >= 0) & (masked < num_rows)).any(dim=1)
+    want_copy = torch.where(named.unsqueeze(1), rows, torch.full_like(rows, 0x33))
+    out_named = named[token]  # output rows whose token still names them
     wide = torch.full((n, rows.shape[1] + 4), 0x33, dtype=torch.uint8, device=device)
     for copy in (torch.full_like(rows, 0x33), wide[:, 4:]):
-        d2, s2 = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, out=(torch.empty_like(data),
-                                                                           torch.empty_like(scales)), copy_to=copy)
-        assert_bitwise_equal(copy, rows, "copied rows")
-        assert_bitwise_equal(d2, ref_d, "data with a copy")
-        assert_bitwise_equal(s2, ref_s, "scales with a copy")
+        d2, s2 = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, masked, out=(torch.empty_like(data),
+                                                                            torch.empty_like(scales)), copy_to=copy)
+        assert_bitwise_equal(copy, want_copy, "copied rows")
+        assert_bitwise_equal(d2[out_named], ref_d[out_named], "data with a copy")
+        assert_bitwise_equal(s2[out_named], ref_s[out_named], "scales with a copy")
     assert bool((wide[:, :4] == 0x33).all()), "bytes beside the copied rows were written"
-    copy = torch.empty_like(rows)
-    d3, _ = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_to=copy)
-    assert_bitwise_equal(copy, rows, "copied rows, new output")
-    assert_bitwise_equal(d3, ref_d, "data, new output with a copy")
+    copy = torch.full_like(rows, 0x33)
+    d3, _ = ops.mxfp4_rows_expand_fp8_blockwise(rows, h, masked, num_rows, copy_to=copy)
+    assert_bitwise_equal(copy, want_copy, "copied rows, new output")
+    assert_bitwise_equal(d3[out_named], ref_d[out_named], "data, new output with a copy")
     with pytest.raises(ValueError, match="copy_to"):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_to=copy[1:])
     plain = _mxfp4_rows(n, h, device)

@@ -192,8 +192,9 @@ struct Mxfp4ExpandFp8RowsParams {
   long long tokens;          // n
   long long num_rows;        // R
   int hidden;                // H, a multiple of 128
-  uint8_t* copy_to;          // or nullptr: also copy each byte row as it is to copy_to + t * copy_stride
-  long long copy_stride;     // (4-byte aligned rows; the dispatch keeps its received rows this way)
+  uint8_t* copy_to;          // or nullptr: also copy each byte row that names an output row, as it is,
+  long long copy_stride;     // to copy_to + t * copy_stride (4-byte aligned rows; the dispatch keeps its
+                             // received rows this way)
 };
 cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cudaStream_t stream);
 

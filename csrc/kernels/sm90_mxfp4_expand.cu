@@ -36,12 +36,12 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(co
   const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= p.tokens) return;
   const uint8_t* prow = p.rows + t * p.row_stride;
-  if (p.copy_to != nullptr) copy_row(prow, p.copy_to + t * p.copy_stride, p.hidden / 2 + p.hidden / 32, lane);
   long long slot = -1;
   if (lane < p.k) slot = p.slots[t * p.k + lane];
   const bool valid = slot >= 0 && slot < p.num_rows;
   const uint32_t targets = __ballot_sync(0xFFFFFFFFu, valid);  // lanes whose slot names an output row
-  if (targets == 0u) return;
+  if (targets == 0u) return;  // (nor copied: a caller converting a dispatch in slices masks the others)
+  if (p.copy_to != nullptr) copy_row(prow, p.copy_to + t * p.copy_stride, p.hidden / 2 + p.hidden / 32, lane);
   expand_row_to_slots<false, kVec8>(prow, prow + p.hidden / 2, p.hidden, targets, slot, p.out, p.out_scales, remap,
                                     lane);
 }

@@ -489,7 +489,8 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
 // -> out e4m3 [R, H], out_scales float32 [R, H/128] (written in place): row t converted once
 // (FP4RowToFP8Row) and written to each of its slots' rows; slots outside [0, R) are skipped and the other
 // output rows are left untouched (so several calls may fill one output, e.g. one per source block).
-// copy_to (optional): uint8 [n, H/2 + H/32] with 4-byte aligned rows, receives each byte row as it is.
+// copy_to (optional): uint8 [n, H/2 + H/32] with 4-byte aligned rows, receives each byte row that names
+// an output row, as it is.
 void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor& slots, const Tensor& out,
                                 const Tensor& out_scales, const c10::optional<Tensor>& copy_to) {
   check_mxfp4_byte_rows(rows, hidden);

@@ -315,14 +315,22 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     res.append(("push with the own rows' expansion to FP8 expert rows inside the kernel",
                 timer(lambda: codec.encode_push_expand(x, dests, push_plan["peer_rank_table"], me, h.slot_table,
                                                        fp8_out))))
-    for overlap in (True, False):
-        b.overlap_fp8 = overlap
-        when = "on the way" if overlap else "after the transfer"
+    peer_only = push_plan["peer_rank_table"].clone()
+    peer_only[:, me] = -1
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    for blocks in (sms, 2 * sms, 4 * sms, None):
+        res.append((f"push to the peer only, max_blocks={blocks}",
+                    timer(lambda blocks=blocks: codec.encode_push(x, dests, peer_only, max_blocks=blocks))))
+    saved = (b.overlap_fp8, b.fp8_chunks, b.push_blocks)
+    for overlap, chunks, blocks in ((False, 1, None), (True, 1, None), (True, 2, None), (True, 2, 2 * sms),
+                                    (True, 2, 4 * sms), (True, 4, 2 * sms), (True, 4, 4 * sms), (True, 8, 4 * sms)):
+        b.overlap_fp8, b.fp8_chunks, b.push_blocks = overlap, chunks, blocks
+        when = f"on the way, {chunks} slices, push_blocks={blocks}" if overlap else "after the transfer"
         res.append((f"e2e mxfp4 to expert rows, converted {when}",
                     timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
         res.append((f"tok mxfp4 per token, converted {when}",
                     timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
-    b.overlap_fp8 = True
+    b.overlap_fp8, b.fp8_chunks, b.push_blocks = saved
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",

@@ -159,7 +159,8 @@ class PayloadCodec:
         raise NotImplementedError(f"the {self.name} payload has no in-place expansion")
 
     def encode_push_expand(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, fp8_dest: int,
-                           slot_table: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+                           slot_table: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor], *,
+                           max_blocks: int | None = None) -> None:
         """``encode_push``, and the rows stored to dests[fp8_dest] expanded into out as
         ``expand_fp8_blockwise_into`` would (slot_table [rows of that destination, k]), in the same
         pass. Only where ``expands_in_place`` says so."""
@@ -339,14 +340,14 @@ class MXFP4Payload(PayloadCodec):
         if rows.shape[0]:
             ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, out=out, copy_to=copy_to)
 
-    def encode_push_expand(self, x, dests, dest_rows, fp8_dest, slot_table, out):
+    def encode_push_expand(self, x, dests, dest_rows, fp8_dest, slot_table, out, *, max_blocks=None):
         """One kernel on CUDA for bfloat16 x: each token encoded once, its row stored to every
         destination, and a row for dests[fp8_dest] also converted from the staged row to its FP8
         expert rows while the stores to the other destinations are in flight."""
         self._check_x(x)
         if x.shape[0]:
             ops.quantize_mxfp4_rows_multi(x, dests, dest_rows, scale_rounding=self.scale_rounding, fp8_dest=fp8_dest,
-                                          fp8_slots=slot_table, fp8_out=out)
+                                          fp8_slots=slot_table, fp8_out=out, max_blocks=max_blocks)
 
 
 class NVFP4Payload(PayloadCodec):

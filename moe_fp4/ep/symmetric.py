@@ -68,12 +68,16 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
     overlap_fp8: when a dispatch asks for FP8 (``Buffer.dispatch(return_fp8=...)``), convert this
       rank's own rows inside the push kernel and the peers' rows straight out of the buffer as soon as
       they have landed (True, the default, for payloads that convert in place: mxfp4 with the native
-      ops; ``push_rows_fp8``), or convert the received rows after the transfer (False)."""
+      ops; ``push_rows_fp8``), or convert the received rows after the transfer (False);
+    fp8_chunks: token slices of that dispatch: the peers' rows of slice c are converted while slice
+      c + 1 is pushed (1: the peers' rows after the whole push);
+    push_blocks: thread blocks of the pushes of slices 1 and on (None: fill the GPU), leaving SM slots
+      to the conversion beside them."""
 
     direct = True
 
     def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000,
-                 overlap_fp8: bool = True):
+                 overlap_fp8: bool = True, fp8_chunks: int = 1, push_blocks: int | None = None):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -88,6 +92,12 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self.push = bool(push)
         self.timeout_ms = timeout_ms
         self.overlap_fp8 = bool(overlap_fp8)
+        if isinstance(fp8_chunks, bool) or not isinstance(fp8_chunks, int) or not 1 <= fp8_chunks <= 16:
+            raise ValueError(f"fp8_chunks: expected an int in [1, 16], got {fp8_chunks!r}")
+        if push_blocks is not None and (isinstance(push_blocks, bool) or not isinstance(push_blocks, int)
+                                        or push_blocks < 1):
+            raise ValueError(f"push_blocks: expected None or a positive int, got {push_blocks!r}")
+        self.fp8_chunks, self.push_blocks = fp8_chunks, push_blocks
         self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
         self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
@@ -337,16 +347,20 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     float32 [R, H/128])) with R = n_recv (``per_token``: row j is received row j) or the handle's
     expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``).
 
-    One kernel encodes each token once and stores its row to every receiver; a row this rank sends
-    itself is also converted, from the row staged in shared memory, to its FP8 rows while the stores
-    to the peers are in flight (``codec.encode_push_expand``). After the barrier that says every
-    rank's rows have landed, the peers' blocks are converted straight out of this rank's buffer and
-    copied to the received rows in the same pass. Only for codecs that convert in place
-    (``expands_in_place``); the bits equal converting after the transfer."""
+    The tokens go in ``backend.fp8_chunks`` slices (chunk_bounds). For each slice one kernel encodes
+    its tokens once and stores their rows to every receiver; a row this rank sends itself is also
+    converted, from the row staged in shared memory, to its FP8 rows while the stores to the peers
+    are in flight (``codec.encode_push_expand``). Once every rank has pushed slice c (a barrier on the
+    side stream), the peers' rows of slice c are converted straight out of this rank's buffer and
+    copied to the received rows in one pass, on the high-priority side stream, while slice c + 1 is
+    pushed with at most ``backend.push_blocks`` thread blocks (so the conversion finds free SM
+    slots). Only for codecs that convert in place (``expands_in_place``); the bits equal converting
+    after the transfer."""
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
     width = codec.row_bytes(hidden)
-    plan = direct_plan(handle, 1)
+    chunks = backend.fp8_chunks
+    plan = direct_plan(handle, chunks)
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     if not backend.push or backend.chunks != 1:  # (the ranks may have agreed at the first allocation to pull)
@@ -360,15 +374,36 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
            torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
     lo = start_offsets(handle.recv_counts)[me]
     hi = lo + handle.recv_counts[me]
+    blocks = [(a, b) for a, b in ((0, lo), (hi, n)) if b > a]  # the peers' rows in the received order
     dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
-    backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
-    codec.encode_push_expand(x, dests, plan["peer_rank_table"], me, slots, out)
-    backend.barrier(1)  # every rank's rows have landed
+    table = plan["peer_rank_table"]
     own = backend.staging(n, width)
-    for a, b in ((0, lo), (hi, n)):  # the peers' blocks: converted and copied out in one pass
-        if b > a:
-            codec.expand_fp8_blockwise_into(own[a:b], hidden, slots[a:b], out, copy_to=recv[a:b])
+    main, side = torch.cuda.current_stream(backend.device), backend.side_stream
+    backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
+    side.wait_stream(main)
+    for c, (t0, t1) in enumerate(chunk_bounds(x.shape[0], chunks)):
+        if t1 > t0:
+            codec.encode_push_expand(x[t0:t1], dests, table[t0:t1], me, slots, out,
+                                     max_blocks=backend.push_blocks if c else None)
+        pushed = torch.cuda.Event()
+        pushed.record(main)
+        with torch.cuda.stream(side):
+            side.wait_event(pushed)
+            backend.barrier(1 + c)  # every rank has pushed slice c
+            mine = slots if chunks == 1 else _slice_slots(plan, slots, per_token, c)
+            for a, b in blocks:  # the peers' rows of slice c: converted and copied out in one pass
+                codec.expand_fp8_blockwise_into(own[a:b], hidden, mine[a:b], out, copy_to=recv[a:b])
+    main.wait_stream(side)
     return recv, out
+
+
+def _slice_slots(plan, slots, per_token: bool, c: int) -> torch.Tensor:
+    """slots with the rows of other token slices set to -1 (cached on the plan): a conversion with it
+    touches (converts and copies) only the received rows of slice c."""
+    key = ("fp8_slice_slots", per_token, c)
+    if key not in plan:
+        plan[key] = torch.where((plan["recv_chunk"] == c).unsqueeze(1), slots, -1).contiguous()
+    return plan[key]
 
 
 def _convert_after(codec, recv, hidden, handle, per_token):

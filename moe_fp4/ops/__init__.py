@@ -536,8 +536,9 @@ def mxfp4_rows_expand_fp8_blockwise(
     out: (float8_e4m3fn [R, H], float32 [R, H/128]), contiguous, on rows' device: written in place
       (only the rows named by slots; the others keep their values, so calls for disjoint row blocks
       can fill one output, e.g. one per source rank of a dispatch, each as its rows arrive);
-    copy_to: uint8 [n, H/2 + H/32] with contiguous rows, on rows' device: also receives the byte rows
-      as they are, in the same pass (the dispatch copies received rows out of its transfer buffer so).
+    copy_to: uint8 [n, H/2 + H/32] with contiguous rows, on rows' device: also receives, as they are
+      and in the same pass, the byte rows that name at least one output row (the dispatch copies its
+      received rows out of the transfer buffer so, slice by slice, masking the others' slots).
     Returns (float8_e4m3fn [R, H], float32 [R, H/128]) (``out`` when given): output row slots[t, j]
     is the FP8 1x128 of rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). Without ``out`` the
     caller names every output row once; a row named by no slot is left unwritten on CUDA (zeros in the

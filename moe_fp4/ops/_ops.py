@@ -393,8 +393,9 @@ def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.
         _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, copy_to)
         return
     _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
-    if copy_to is not None:
-        copy_to.copy_(rows)
+    if copy_to is not None:  # the rows that name an output row
+        named = ((slots >= 0) & (slots < out.shape[0])).any(dim=1)
+        copy_to[named] = rows[named]
 
 
 @mxfp4_rows_expand_fp8_into_op.register_fake
