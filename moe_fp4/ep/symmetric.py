@@ -70,7 +70,8 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       they have landed (True, the default, for payloads that convert in place: mxfp4 with the native
       ops; ``push_rows_fp8``), or convert the received rows after the transfer (False);
     fp8_chunks: token slices of that dispatch: the peers' rows of slice c are converted while slice
-      c + 1 is pushed (1: the peers' rows after the whole push);
+      c + 1 is pushed (1, the default: the peers' rows after the whole push; 2-8 slices measured
+      slower on 2 H200 at 4096-16384 tokens per rank, benchmarks/results/dispatch.md Run F);
     push_blocks: thread blocks of the pushes of slices 1 and on (None: fill the GPU), leaving SM slots
       to the conversion beside them."""
 
