@@ -196,10 +196,11 @@ def case_symm_large(ctx, seed, mode):
     n_recv = got.handle.num_recv_tokens
     tok_d, tok_s = spec_fp8_of_rows(got.recv_rows, hidden, torch.arange(n_recv, device=dev))
     be = symm.backend
-    saved = (be.overlap_fp8, be.fp8_chunks, be.push_blocks)
-    for overlap, chunks, blocks in ((True, 1, None), (False, 1, None), (True, 3, 5), (True, 2, None)):
-        be.overlap_fp8, be.fp8_chunks, be.push_blocks = overlap, chunks, blocks
-        what = f"overlap={overlap}, {chunks} slices, push_blocks={blocks}"
+    saved = (be.overlap_fp8, be.fp8_chunks, be.push_blocks, be.fp8_pull)
+    for overlap, chunks, blocks, pull in ((True, 1, None, False), (False, 1, None, False), (True, 3, 5, False),
+                                          (True, 2, None, False), (True, 1, None, True)):
+        be.overlap_fp8, be.fp8_chunks, be.push_blocks, be.fp8_pull = overlap, chunks, blocks, pull
+        what = f"overlap={overlap}, {chunks} slices, push_blocks={blocks}, pull={pull}"
         for _ in range(2):  # the second time with the slices' cached slot tables
             tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
             assert tok.fp8 is None
@@ -207,7 +208,9 @@ def case_symm_large(ctx, seed, mode):
             assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, {what}")
             assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, {what}")
             _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, {what}")
-    be.overlap_fp8, be.fp8_chunks, be.push_blocks = saved
+    be.overlap_fp8, be.fp8_chunks, be.push_blocks, be.fp8_pull = saved
+    # a push dispatch and a combine right after the pulling one reuse the buffer behind the barriers
+    _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "push after pull")
     y = torch.randn(got.handle.num_rows, hidden, generator=g).to(dev, torch.bfloat16)
     want = Buffer(n_exp, ctx.group).combine(y, ref.handle)
     assert_bitwise_equal(symm.combine(y, got.handle), want, "combine hidden 7168")
@@ -233,10 +236,14 @@ def case_symm_sync_budget(ctx, seed, mode):
         combined = buf.combine(y, out.handle)
         buf.backend.fp8_chunks, buf.backend.push_blocks = 2, 8  # sliced, its plan built on first use
         sliced = buf.dispatch(x, handle=out.handle, return_fp8="tokens")
+        buf.backend.fp8_chunks, buf.backend.fp8_pull = 1, True  # pulled, its tables built on first use
+        pulled = buf.dispatch(x, handle=out.handle, return_fp8=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_bitwise_equal(again.rows, out.rows, "cached dispatch")
     assert_bitwise_equal(sliced.recv_rows, out.recv_rows, "cached sliced dispatch")
+    assert_bitwise_equal(pulled.recv_rows, out.recv_rows, "cached pulled dispatch")
+    assert_bitwise_equal(pulled.fp8[0], out.fp8[0], "cached pulled dispatch, fp8")
     return tuple(combined.shape)
 
 

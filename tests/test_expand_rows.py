@@ -166,10 +166,24 @@ def test_expansion_into_a_given_output_by_blocks(device):
     assert_bitwise_equal(d3[out_named], ref_d[out_named], "data, new output with a copy")
     with pytest.raises(ValueError, match="copy_to"):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_to=copy[1:])
+    # rows copied to rows named by copy_rows (some out of range: skipped), into a taller tensor
+    perm = torch.randperm(n + 3, device=device)[:n]
+    perm[0] = n + 50
+    tall = torch.full((n + 3, rows.shape[1]), 0x44, dtype=torch.uint8, device=device)
+    ops.mxfp4_rows_expand_fp8_blockwise(rows, h, masked, num_rows, copy_to=tall, copy_rows=perm)
+    want_tall = torch.full_like(tall, 0x44)
+    take = named.clone()
+    take[0] = False
+    want_tall[perm[take]] = rows[take]
+    assert_bitwise_equal(tall, want_tall, "rows copied by copy_rows")
+    with pytest.raises(ValueError, match="copy_rows"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_rows=perm)
+    with pytest.raises(ValueError, match="copy_rows"):
+        ops.mxfp4_rows_expand_fp8_blockwise(rows, h, slots, num_rows, copy_to=tall, copy_rows=perm[1:])
     plain = _mxfp4_rows(n, h, device)
     # (opcheck's schema test compares mutated tensors with arithmetic float8 lacks; the mutation itself is
     # checked above: named rows written, the others kept)
-    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_into.default, (plain, h, slots, *out, None),
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_into.default, (plain, h, slots, *out, None, None),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

@@ -193,8 +193,10 @@ struct Mxfp4ExpandFp8RowsParams {
   long long num_rows;        // R
   int hidden;                // H, a multiple of 128
   uint8_t* copy_to;          // or nullptr: also copy each byte row that names an output row, as it is,
-  long long copy_stride;     // to copy_to + t * copy_stride (4-byte aligned rows; the dispatch keeps its
-                             // received rows this way)
+  long long copy_stride;     // to copy_to + c * copy_stride (4-byte aligned rows; the dispatch keeps its
+                             // received rows this way), c = t or, with copy_rows, copy_rows[t] (outside
+  const long long* copy_rows;  // [0, copy_count): not copied)
+  long long copy_count;
 };
 cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cudaStream_t stream);
 

@@ -41,7 +41,10 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(co
   const bool valid = slot >= 0 && slot < p.num_rows;
   const uint32_t targets = __ballot_sync(0xFFFFFFFFu, valid);  // lanes whose slot names an output row
   if (targets == 0u) return;  // (nor copied: a caller converting a dispatch in slices masks the others)
-  if (p.copy_to != nullptr) copy_row(prow, p.copy_to + t * p.copy_stride, p.hidden / 2 + p.hidden / 32, lane);
+  if (p.copy_to != nullptr) {
+    const long long c = p.copy_rows != nullptr ? p.copy_rows[t] : t;
+    if (c >= 0 && c < p.copy_count) copy_row(prow, p.copy_to + c * p.copy_stride, p.hidden / 2 + p.hidden / 32, lane);
+  }
   expand_row_to_slots<false, kVec8>(prow, prow + p.hidden / 2, p.hidden, targets, slot, p.out, p.out_scales, remap,
                                     lane);
 }

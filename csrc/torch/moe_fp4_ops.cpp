@@ -489,10 +489,12 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
 // -> out e4m3 [R, H], out_scales float32 [R, H/128] (written in place): row t converted once
 // (FP4RowToFP8Row) and written to each of its slots' rows; slots outside [0, R) are skipped and the other
 // output rows are left untouched (so several calls may fill one output, e.g. one per source block).
-// copy_to (optional): uint8 [n, H/2 + H/32] with 4-byte aligned rows, receives each byte row that names
-// an output row, as it is.
+// copy_to (optional): uint8 [m, H/2 + H/32] with 4-byte aligned rows, receives each byte row that names
+// an output row, as it is: row t at row t (m = n) or, with copy_rows (int64 [n]), at row copy_rows[t]
+// (outside [0, m): not copied; rows named twice get either copy).
 void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor& slots, const Tensor& out,
-                                const Tensor& out_scales, const c10::optional<Tensor>& copy_to) {
+                                const Tensor& out_scales, const c10::optional<Tensor>& copy_to,
+                                const c10::optional<Tensor>& copy_rows) {
   check_mxfp4_byte_rows(rows, hidden);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
               "rows: rows must be 4-byte aligned");
@@ -513,14 +515,22 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
                   out_scales.is_contiguous(),
               "out_scales: expected a contiguous [", out.size(0), ", ", hidden / 128, "] tensor, got ",
               out_scales.sizes());
+  TORCH_CHECK(!copy_rows.has_value() || copy_to.has_value(), "copy_rows: needs copy_to");
   if (copy_to.has_value()) {
     const Tensor& c = *copy_to;
     MOE_FP4_CHECK_SAME_DEVICE(c, rows, "copy_to");
     MOE_FP4_CHECK_DTYPE(c, at::kByte, "copy_to");
-    TORCH_CHECK(c.dim() == 2 && c.size(0) == rows.size(0) && c.size(1) == rows.size(1) &&
+    TORCH_CHECK(c.dim() == 2 && (copy_rows.has_value() || c.size(0) == rows.size(0)) && c.size(1) == rows.size(1) &&
                     (c.size(0) == 0 || c.stride(1) == 1),
-                "copy_to: expected a [", rows.size(0), ", ", rows.size(1), "] tensor with contiguous rows, got ",
-                c.sizes(), " strides ", c.strides());
+                "copy_to: expected a [", copy_rows.has_value() ? "m" : std::to_string(rows.size(0)), ", ", rows.size(1),
+                "] tensor with contiguous rows, got ", c.sizes(), " strides ", c.strides());
+    if (copy_rows.has_value()) {
+      const Tensor& cr = *copy_rows;
+      MOE_FP4_CHECK_SAME_DEVICE(cr, rows, "copy_rows");
+      MOE_FP4_CHECK_DTYPE(cr, at::kLong, "copy_rows");
+      TORCH_CHECK(cr.dim() == 1 && cr.size(0) == rows.size(0) && cr.is_contiguous(),
+                  "copy_rows: expected a contiguous [", rows.size(0), "] tensor, got ", cr.sizes());
+    }
     TORCH_CHECK(reinterpret_cast<uintptr_t>(c.data_ptr()) % 4 == 0 && (c.size(0) <= 1 || c.stride(0) % 4 == 0),
                 "copy_to: rows must be 4-byte aligned");
   }
@@ -531,6 +541,8 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
   if (copy_to.has_value()) {
     p.copy_to = copy_to->data_ptr<uint8_t>();
     p.copy_stride = copy_to->stride(0);
+    p.copy_count = copy_to->size(0);
+    if (copy_rows.has_value()) p.copy_rows = reinterpret_cast<const long long*>(copy_rows->data_ptr<int64_t>());
   }
   p.rows = rows.data_ptr<uint8_t>();
   p.row_stride = rows.stride(0);
@@ -552,7 +564,7 @@ std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hid
   check_mxfp4_byte_rows(rows, hidden);
   Tensor out = at::empty({num_rows, hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({num_rows, hidden / 128}, rows.options().dtype(at::kFloat));
-  mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, c10::nullopt);
+  mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, c10::nullopt, c10::nullopt);
   return {out, out_scales};
 }
 
@@ -616,7 +628,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slots"), py::arg("num_rows"));
   m.def("mxfp4_rows_expand_fp8_into", &mxfp4_rows_expand_fp8_into,
         "MXFP4 byte rows -> FP8 1x128 rows written in place to their slots' rows of out", py::arg("rows"),
-        py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"), py::arg("copy_to") = py::none());
+        py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"), py::arg("copy_to") = py::none(),
+        py::arg("copy_rows") = py::none());
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
 }

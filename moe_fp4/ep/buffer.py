@@ -338,7 +338,8 @@ class Buffer:
             if return_fp8 and getattr(self.backend, "overlap_fp8", False) and self.backend.push \
                     and self.backend.chunks == 1 \
                     and hidden % FP8_GROUP == 0 and codec.expands_in_place(x, hidden, k):
-                recv, fp8 = symmetric.push_rows_fp8(self.backend, x, codec, handle, per_token)
+                convert = symmetric.pull_rows_fp8 if self.backend.fp8_pull else symmetric.push_rows_fp8
+                recv, fp8 = convert(self.backend, x, codec, handle, per_token)
                 out = DispatchOutput(recv, codec, hidden, handle)
                 if per_token:
                     out.recv_fp8 = fp8

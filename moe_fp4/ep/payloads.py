@@ -151,11 +151,12 @@ class PayloadCodec:
         return False
 
     def expand_fp8_blockwise_into(self, rows: torch.Tensor, hidden: int, slot_table: torch.Tensor,
-                                  out: tuple[torch.Tensor, torch.Tensor], copy_to: torch.Tensor | None = None) -> None:
+                                  out: tuple[torch.Tensor, torch.Tensor], copy_to: torch.Tensor | None = None,
+                                  copy_rows: torch.Tensor | None = None) -> None:
         """The FP8 1x128 of each row written in place to its slots' rows of out = (float8_e4m3fn
         [R, H], float32 [R, H/128]); slots -1 (or outside [0, R)) skipped, other rows untouched; with
-        copy_to (uint8 like rows) the rows are also copied there in the same pass. Only where
-        ``expands_in_place`` says so."""
+        copy_to (uint8 rows) the rows that name an output row are also copied there in the same pass
+        (to row t, or to row copy_rows[t]). Only where ``expands_in_place`` says so."""
         raise NotImplementedError(f"the {self.name} payload has no in-place expansion")
 
     def encode_push_expand(self, x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, fp8_dest: int,
@@ -335,10 +336,11 @@ class MXFP4Payload(PayloadCodec):
         """CUDA rows with the native ops built (``ops.mxfp4_rows_expand_fp8_blockwise`` with ``out``)."""
         return rows.is_cuda and ops.native_available() and hidden % FP8_GROUP == 0 and 1 <= k <= 32
 
-    def expand_fp8_blockwise_into(self, rows, hidden, slot_table, out, copy_to=None):
+    def expand_fp8_blockwise_into(self, rows, hidden, slot_table, out, copy_to=None, copy_rows=None):
         _check_rows(rows, self.row_bytes(hidden), hidden)
         if rows.shape[0]:
-            ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, out=out, copy_to=copy_to)
+            ops.mxfp4_rows_expand_fp8_blockwise(rows, hidden, slot_table, out=out, copy_to=copy_to,
+                                                copy_rows=copy_rows)
 
     def encode_push_expand(self, x, dests, dest_rows, fp8_dest, slot_table, out, *, max_blocks=None):
         """One kernel on CUDA for bfloat16 x: each token encoded once, its row stored to every

@@ -73,12 +73,15 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       c + 1 is pushed (1, the default: the peers' rows after the whole push; 2-8 slices measured
       slower on 2 H200 at 4096-16384 tokens per rank, benchmarks/results/dispatch.md Run F);
     push_blocks: thread blocks of the pushes of slices 1 and on (None: fill the GPU), leaving SM slots
-      to the conversion beside them."""
+      to the conversion beside them;
+    fp8_pull: such a dispatch pulls instead (``pull_rows_fp8``): every rank encodes into its own
+      buffer and converts its received rows straight out of the senders' buffers."""
 
     direct = True
 
     def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000,
-                 overlap_fp8: bool = True, fp8_chunks: int = 1, push_blocks: int | None = None):
+                 overlap_fp8: bool = True, fp8_chunks: int = 1, push_blocks: int | None = None,
+                 fp8_pull: bool = False):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -99,6 +102,7 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
                                         or push_blocks < 1):
             raise ValueError(f"push_blocks: expected None or a positive int, got {push_blocks!r}")
         self.fp8_chunks, self.push_blocks = fp8_chunks, push_blocks
+        self.fp8_pull = bool(fp8_pull)
         self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
         self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
@@ -398,6 +402,69 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     return recv, out
 
 
+def pull_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, per_token: bool):
+    """The dispatch to FP8 by pulling: the same results as ``push_rows_fp8``. Every rank encodes all its
+    tokens into its own buffer (one local pass); after a barrier each rank converts the rows it
+    receives straight out of the senders' buffers, the peers' over NVLink on the side stream and its
+    own beside them on the calling stream (``expand_fp8_blockwise_into`` reading a source's whole
+    buffer with a slot table indexed by the source's tokens: tokens not sent here are skipped without
+    being read), copying each row to its received row in the same pass. The next dispatch's first
+    barrier keeps the buffers until every peer has read them."""
+    w, me = handle.world_size, handle.rank
+    hidden = x.shape[1]
+    width = codec.row_bytes(hidden)
+    plan = direct_plan(handle, 1)
+    backend.ensure_capacity(max(handle.peer_num_tokens) * width)  # the same size on every rank
+    if not backend.push:  # the ranks agreed at the first allocation that some cannot map peers' buffers
+        recv = dispatch_rows(backend, x, codec, handle)
+        return recv, _convert_after(codec, recv, hidden, handle, per_token)
+    n = handle.num_recv_tokens
+    recv = torch.empty(n, width, dtype=torch.uint8, device=backend.device)
+    slots = plan["token_slots"] if per_token else handle.slot_table
+    num_out = n if per_token else handle.num_rows
+    out = (torch.empty(num_out, hidden, dtype=torch.float8_e4m3fn, device=backend.device),
+           torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
+    by_source = _source_tables(plan, handle, slots, per_token)
+    main, side = torch.cuda.current_stream(backend.device), backend.side_stream
+    backend.barrier(0)  # every peer has finished reading this rank's buffer
+    codec.encode_into(x, backend.staging(x.shape[0], width))
+    backend.barrier(1)  # every rank's rows are in its buffer
+    side.wait_stream(main)
+    with torch.cuda.stream(side):  # the peers' rows over NVLink
+        for s in range(w):
+            if s != me and handle.recv_counts[s]:
+                src_slots, src_rows = by_source[s]
+                codec.expand_fp8_blockwise_into(backend.peer_rows(s, handle.peer_num_tokens[s], width), hidden,
+                                                src_slots, out, copy_to=recv, copy_rows=src_rows)
+    if handle.recv_counts[me]:  # this rank's own rows, beside them
+        src_slots, src_rows = by_source[me]
+        codec.expand_fp8_blockwise_into(backend.staging(x.shape[0], width), hidden, src_slots, out, copy_to=recv,
+                                        copy_rows=src_rows)
+    main.wait_stream(side)
+    return recv, out
+
+
+def _source_tables(plan, handle, slots, per_token: bool) -> dict:
+    """Per source rank s with rows for this rank: (slot table int64 [T_s, k] indexed by s's tokens,
+    received row int64 [T_s] of each of s's tokens; -1 where s does not send the token here), cached
+    on the plan (built by scatters: no host synchronisation)."""
+    key = ("fp8_source_tables", per_token)
+    if key not in plan:
+        tables = {}
+        for s, (start, cnt) in enumerate(zip(start_offsets(handle.recv_counts), handle.recv_counts)):
+            if not cnt:
+                continue
+            tokens = handle.recv_src_token[start:start + cnt]
+            t_s = handle.peer_num_tokens[s]
+            src_slots = torch.full((t_s, slots.shape[1]), -1, dtype=torch.int64, device=slots.device)
+            src_slots[tokens] = slots[start:start + cnt]
+            src_rows = torch.full((t_s,), -1, dtype=torch.int64, device=slots.device)
+            src_rows[tokens] = torch.arange(start, start + cnt, device=slots.device)
+            tables[s] = (src_slots, src_rows)
+        plan[key] = tables
+    return plan[key]
+
+
 def _slice_slots(plan, slots, per_token: bool, c: int) -> torch.Tensor:
     """slots with the rows of other token slices set to -1 (cached on the plan): a conversion with it
     touches (converts and copies) only the received rows of slice c."""
@@ -476,5 +543,5 @@ def _pipelined_bf16_combine(backend, y, handle, weights, staging, plan) -> torch
     return out
 
 
-__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows", "push_rows",
-           "push_rows_fp8", "recv_rows_per_rank"]
+__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows",
+           "pull_rows_fp8", "push_rows", "push_rows_fp8", "recv_rows_per_rank"]

@@ -525,6 +525,7 @@ def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
 def mxfp4_rows_expand_fp8_blockwise(
     rows: torch.Tensor, hidden: int, slots: torch.Tensor, num_rows: int | None = None, *,
     out: tuple[torch.Tensor, torch.Tensor] | None = None, copy_to: torch.Tensor | None = None,
+    copy_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4RowToFP8Row fused with the expansion to expert rows: each byte row converted once and
     written to each of its output rows.
@@ -538,7 +539,10 @@ def mxfp4_rows_expand_fp8_blockwise(
       can fill one output, e.g. one per source rank of a dispatch, each as its rows arrive);
     copy_to: uint8 [n, H/2 + H/32] with contiguous rows, on rows' device: also receives, as they are
       and in the same pass, the byte rows that name at least one output row (the dispatch copies its
-      received rows out of the transfer buffer so, slice by slice, masking the others' slots).
+      received rows out of the transfer buffer so, slice by slice, masking the others' slots);
+    copy_rows: int64 [n] on rows' device, contiguous (needs copy_to): row t goes to row copy_rows[t] of
+      copy_to instead, which may then have any number of rows (outside [0, rows of copy_to): not
+      copied; a row named twice gets either copy).
     Returns (float8_e4m3fn [R, H], float32 [R, H/128]) (``out`` when given): output row slots[t, j]
     is the FP8 1x128 of rows[t] (formats.mxfp4_to_fp8_blockwise, bit for bit). Without ``out`` the
     caller names every output row once; a row named by no slot is left unwritten on CUDA (zeros in the
@@ -553,11 +557,20 @@ def mxfp4_rows_expand_fp8_blockwise(
         raise ValueError(f"slots: expected shape ({rows.shape[0]}, k) with 1 <= k <= 32, got {tuple(slots.shape)}")
     if not slots.is_contiguous():
         raise ValueError(f"slots: expected a contiguous tensor, got strides {slots.stride()}")
+    if copy_rows is not None:
+        if copy_to is None:
+            raise ValueError("copy_rows: needs copy_to")
+        _tensor(copy_rows, "copy_rows", (torch.int64,), 1)
+        _same_device(copy_rows, rows, "copy_rows")
+        if copy_rows.shape[0] != rows.shape[0] or not copy_rows.is_contiguous():
+            raise ValueError(f"copy_rows: expected a contiguous [{rows.shape[0]}] tensor, got shape "
+                             f"{tuple(copy_rows.shape)}")
     if copy_to is not None:
         _tensor(copy_to, "copy_to", (torch.uint8,), 2)
         _same_device(copy_to, rows, "copy_to")
-        if copy_to.shape != rows.shape or (copy_to.shape[0] and copy_to.stride(1) != 1):
-            raise ValueError(f"copy_to: expected shape {tuple(rows.shape)} with contiguous rows, got shape "
+        want_rows = copy_to.shape[0] if copy_rows is not None else rows.shape[0]
+        if copy_to.shape != (want_rows, rows.shape[1]) or (copy_to.shape[0] and copy_to.stride(1) != 1):
+            raise ValueError(f"copy_to: expected shape {(want_rows, rows.shape[1])} with contiguous rows, got shape "
                              f"{tuple(copy_to.shape)} strides {copy_to.stride()}")
     if out is None:
         if not isinstance(num_rows, int) or num_rows < 0:
@@ -570,5 +583,5 @@ def mxfp4_rows_expand_fp8_blockwise(
     r = data.shape[0]
     if num_rows is not None and num_rows != r:
         raise ValueError(f"num_rows: {num_rows} does not match out's {r} rows")
-    _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales, copy_to)
+    _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales, copy_to, copy_rows)
     return data, scales

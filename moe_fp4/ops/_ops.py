@@ -387,17 +387,22 @@ def _(rows, hidden, slots, num_rows):
 
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales", "copy_to"))
 def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
-                                  out_scales: torch.Tensor, copy_to: torch.Tensor | None) -> None:
+                                  out_scales: torch.Tensor, copy_to: torch.Tensor | None,
+                                  copy_rows: torch.Tensor | None) -> None:
     if _native_rows(rows) and (copy_to is None or (copy_to.data_ptr() % 4 == 0 and
                                                    (copy_to.shape[0] <= 1 or copy_to.stride(0) % 4 == 0))):
-        _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, copy_to)
+        _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, copy_to, copy_rows)
         return
     _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
-    if copy_to is not None:  # the rows that name an output row
+    if copy_to is not None:  # the rows that name an output row, to their copy rows
         named = ((slots >= 0) & (slots < out.shape[0])).any(dim=1)
-        copy_to[named] = rows[named]
+        if copy_rows is None:
+            copy_to[named] = rows[named]
+        else:
+            named &= (copy_rows >= 0) & (copy_rows < copy_to.shape[0])
+            copy_to[copy_rows[named]] = rows[named]
 
 
 @mxfp4_rows_expand_fp8_into_op.register_fake
-def _(rows, hidden, slots, out, out_scales, copy_to):
+def _(rows, hidden, slots, out, out_scales, copy_to, copy_rows):
     return None
