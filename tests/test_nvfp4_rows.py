@@ -168,3 +168,59 @@ def test_native_on_and_beside_e2m1_rounding_boundaries():
     assert_bitwise_equal(got, ref, "boundaries")
     codes = formats.unpack_fp4(formats.unpack_nvfp4_rows(ref, x.shape[1])[0]) & 7
     assert len(set(codes.reshape(-1).tolist())) == 8  # every E2M1 magnitude was produced
+
+
+# ---- NVFP4 rows -> FP8 1x128 (the nvfp4 payload's conversion on the receiver) ----
+
+
+def _fp8_of_rows_spec(rows: torch.Tensor, h: int):
+    values = formats.dequantize_nvfp4_rows(*formats.unpack_nvfp4_rows(rows.cpu(), h))
+    return formats.quantize_fp8_blockwise(values, block=(1, formats.FP8_GROUP))
+
+
+def _random_nvfp4_rows(t: int, h: int, device) -> torch.Tensor:
+    """Rows from the quantizer (real data with specials), then some rows of random bytes: every code,
+    every block scale byte (NaN 0x7F/0xFF included) and tensor scales of any bits."""
+    rows = _spec_rows(_special_tokens(t, h, torch.float32, "cpu"))
+    g = torch.Generator().manual_seed(torch.seed() % (2**31))
+    noisy = torch.rand(t, generator=g) < 0.3
+    rows[noisy] = torch.randint(0, 256, (int(noisy.sum()), rows.shape[1]), dtype=torch.uint8, generator=g)
+    if t > 2:  # tensor scales: a power of two, a subnormal, zero
+        rows[1, -4:] = torch.tensor([2.0**-30], dtype=torch.float32).view(torch.uint8)
+        rows[2, -4:] = torch.tensor([1e-40], dtype=torch.float32).view(torch.uint8)
+        rows[0, -4:] = torch.tensor([0.0], dtype=torch.float32).view(torch.uint8)
+    return rows.to(device)
+
+
+def test_rows_to_fp8_spec_path_and_errors():
+    rows = _random_nvfp4_rows(9, 256, "cpu")
+    data, scales = ops.nvfp4_rows_to_fp8_blockwise(rows, 256)
+    ref_d, ref_s = _fp8_of_rows_spec(rows, 256)
+    assert_bitwise_equal(data, ref_d, "data")
+    assert_bitwise_equal(scales, ref_s, "scales")
+    from moe_fp4.ep.payloads import get_payload
+
+    got = get_payload("nvfp4").to_fp8_blockwise(rows, 256)
+    assert_bitwise_equal(got[0], ref_d, "payload data")
+    with pytest.raises(ValueError, match="hidden"):
+        ops.nvfp4_rows_to_fp8_blockwise(rows, 96)
+    with pytest.raises(ValueError, match="rows"):
+        ops.nvfp4_rows_to_fp8_blockwise(rows[:, :-1], 256)
+    with pytest.raises(ValueError, match="rows"):
+        ops.nvfp4_rows_to_fp8_blockwise(rows.to(torch.int32), 256)
+    plain = _spec_rows(torch.randn(9, 256))  # no NaN: opcheck compares outputs with ==
+    torch.library.opcheck(torch.ops.moe_fp4.nvfp4_rows_to_fp8.default, (plain, 256))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t,h", [(4096, 7168), (7, 2048), (1, 128), (300, 4096)])
+def test_native_rows_to_fp8_equals_spec(t, h):
+    rows = _random_nvfp4_rows(t, h, "cuda")
+    data, scales = ops.nvfp4_rows_to_fp8_blockwise(rows, h)
+    ref_d, ref_s = _fp8_of_rows_spec(rows, h)
+    assert_bitwise_equal(data.cpu(), ref_d, f"data {t}x{h}")
+    assert_bitwise_equal(scales.cpu(), ref_s, f"scales {t}x{h}")
+    wide = torch.zeros(t, rows.shape[1] + 4, dtype=torch.uint8, device="cuda")
+    wide[:, 4:] = rows  # 4-byte aligned rows inside wider ones
+    strided = ops.nvfp4_rows_to_fp8_blockwise(wide[:, 4:], h)
+    assert_bitwise_equal(strided[0].cpu(), ref_d, "strided rows")

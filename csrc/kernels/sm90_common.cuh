@@ -136,6 +136,31 @@ __device__ __forceinline__ uint32_t nibble_signs_to_bytes(uint32_t spread) {
   return ((spread << 4) & 0x00800080u) | (spread & 0x80008000u);
 }
 
+// float32 value of E2M1 code c (0..15, sign in bit 3), as formats.decode_elements gives it.
+__device__ __forceinline__ float e2m1_value(uint32_t c) {
+  const uint32_t mag = c & 7u;
+  const float v = mag < 4u ? 0.5f * static_cast<float>(mag) : static_cast<float>(1u << (mag - 3u)) * (mag & 1u ? 1.5f : 1.0f);
+  return (c & 8u) ? -v : v;
+}
+
+// FP8 1x128 of one item (8 elements) of a group spread over 16 consecutive lanes (the spec's
+// quantize_fp8_blockwise): the group's absolute maximum from every lane's amax_bits (NaN and Inf
+// sort above every finite value), its scale byte (the group's FP32 scale is ue8m0_value of it: a
+// power of two, NaN for a NaN/Inf group) and the item's 8 E4M3 bytes (zeros for a NaN/Inf group).
+// Every lane of the warp must call it.
+__device__ __forceinline__ uint2 fp8_group_item(const float (&f)[8], uint32_t amax_bits, uint32_t& sbyte) {
+#pragma unroll
+  for (int m = 1; m < 16; m <<= 1) amax_bits = max(amax_bits, __shfl_xor_sync(0xFFFFFFFFu, amax_bits, m));
+  sbyte = e4m3_scale_byte(amax_bits);
+  uint2 out = make_uint2(0, 0);
+  if (sbyte != kUe8m0Nan) {
+    const float inv = ue8m0_inverse(sbyte);
+    out.x = e4m3x4(__fmul_rn(f[0], inv), __fmul_rn(f[1], inv), __fmul_rn(f[2], inv), __fmul_rn(f[3], inv));
+    out.y = e4m3x4(__fmul_rn(f[4], inv), __fmul_rn(f[5], inv), __fmul_rn(f[6], inv), __fmul_rn(f[7], inv));
+  }
+  return out;
+}
+
 // E4M3 magnitude byte of the E2M1 magnitude code c (0..7) times 2^(6 - d): the direct MXFP4 -> FP8
 // remap of formats.convert (exact for d <= 14; below that it rounds to nearest even into E4M3's
 // subnormals, and d >= 19 gives 0 for every code). Usable on host and device, in constant tables.

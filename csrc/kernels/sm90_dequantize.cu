@@ -13,13 +13,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
-// float32 value of E2M1 code c (0..15, sign in bit 3), as formats.decode_elements gives it.
-__device__ __forceinline__ float e2m1_value(uint32_t c) {
-  const uint32_t mag = c & 7u;
-  const float v = mag < 4u ? 0.5f * static_cast<float>(mag) : static_cast<float>(1u << (mag - 3u)) * (mag & 1u ? 1.5f : 1.0f);
-  return (c & 8u) ? -v : v;
-}
-
 __global__ void __launch_bounds__(kThreads) sm90_dequantize_mxfp4_bf16_kernel(const DequantizeMxfp4Params p) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;

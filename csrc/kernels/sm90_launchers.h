@@ -178,6 +178,20 @@ struct QuantizeNvfp4RowsParams {
 };
 cudaError_t launch_quantize_nvfp4_rows(const QuantizeNvfp4RowsParams& p, cudaStream_t stream);
 
+// NVFP4 byte rows [n, H/2 + H/16 + 4] (each with its FP32 tensor scale) -> E4M3 [n, H] + FP32 scales
+// [n, H/128]: each element decoded exactly as formats.dequantize_nvfp4_rows (E2M1 value times the block
+// divisor float32(e4m3 scale * tensor scale)), then quantized as formats.quantize_fp8_blockwise
+// (power-of-two scale per 1x128 group; NaN scale and zero data for a group holding NaN or Inf).
+struct Nvfp4RowsToFp8Params {
+  const uint8_t* rows;       // 4-byte aligned rows, row stride row_stride bytes
+  long long row_stride;
+  uint8_t* out;              // float8_e4m3fn [n, H], contiguous
+  float* out_scales;         // float32 [n, H/128], contiguous
+  long long tokens;          // n
+  int hidden;                // H, a multiple of 128
+};
+cudaError_t launch_nvfp4_rows_to_fp8(const Nvfp4RowsToFp8Params& p, cudaStream_t stream);
+
 // FP4RowToFP8Row fused with the expansion to expert rows: MXFP4 byte rows [n, H/2 + H/32] -> E4M3
 // [R, H] + FP32 scales [R, H/128], received row t converted once and written to output row
 // slots[t, j] for every j whose slot lies in [0, R) (the other slots are skipped). Output rows named

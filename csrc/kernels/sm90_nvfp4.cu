@@ -198,7 +198,61 @@ cudaError_t launch_typed(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
+// One warp per row; lane l of a pass takes item base + l (8 elements: 4 packed bytes of block
+// item / 2), 16 consecutive lanes one 1x128 group.
+__global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_kernel(const Nvfp4RowsToFp8Params p) {
+  constexpr int kItemsPerPass = 4;  // items in flight per lane
+  const int lane = threadIdx.x & 31;
+  const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
+  if (t >= p.tokens) return;
+  const uint8_t* row = p.rows + t * p.row_stride;
+  const uint8_t* block_scales = row + p.hidden / 2;
+  const float gs = __ldg(reinterpret_cast<const float*>(block_scales + p.hidden / 16));
+  const int items = p.hidden / 8;
+  const int groups = p.hidden / kFp8Group;
+  uint8_t* orow = p.out + t * p.hidden;
+  float* srow = p.out_scales + t * groups;
+  for (int base = 0; base < items; base += 32 * kItemsPerPass) {
+    uint32_t codes[kItemsPerPass];
+    uint32_t scale_codes[kItemsPerPass];
+#pragma unroll
+    for (int u = 0; u < kItemsPerPass; ++u) {
+      const int item = base + u * 32 + lane;
+      codes[u] = item < items ? __ldcs(reinterpret_cast<const uint32_t*>(row) + item) : 0u;
+      scale_codes[u] = item < items ? block_scales[item >> 1] : 0u;
+    }
+#pragma unroll
+    for (int u = 0; u < kItemsPerPass; ++u) {
+      const int item = base + u * 32 + lane;
+      const float d = __fmul_rn(e4m3_value(scale_codes[u]), gs);
+      float f[8];
+      uint32_t amax = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        f[j] = __fmul_rn(e2m1_value((codes[u] >> (4 * j)) & 0xFu), d);
+        amax = max(amax, __float_as_uint(f[j]) & 0x7FFFFFFFu);
+      }
+      uint32_t sbyte;
+      const uint2 out = fp8_group_item(f, amax, sbyte);
+      if (item < items) {
+        *reinterpret_cast<uint2*>(orow + item * 8) = out;
+        if ((lane & 15) == 0) srow[item >> 4] = ue8m0_value(sbyte);
+      }
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_nvfp4_rows_to_fp8(const Nvfp4RowsToFp8Params& p, cudaStream_t stream) {
+  if (p.tokens <= 0) return cudaSuccess;
+  if (p.hidden % kFp8Group != 0 || (reinterpret_cast<uintptr_t>(p.rows) & 3) != 0 || (p.row_stride & 3) != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const long long blocks = (p.tokens + kWarps - 1) / kWarps;
+  sm90_nvfp4_rows_to_fp8_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_quantize_nvfp4_rows(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) {
   if (p.tokens <= 0) return cudaSuccess;

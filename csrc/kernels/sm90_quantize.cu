@@ -416,16 +416,8 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
         const int item = base + u * 32 + lane;
         float f[8];
         item_to_float<kType>(raw[u], f);
-        uint32_t amax = item_amax_bits<kType>(raw[u], f);
-#pragma unroll
-        for (int m = 1; m < 16; m <<= 1) amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, m));
-        const uint32_t sbyte = e4m3_scale_byte(amax);
-        uint2 out = make_uint2(0, 0);  // NaN/Inf group: zero data, NaN scale
-        if (sbyte != kUe8m0Nan) {
-          const float inv = ue8m0_inverse(sbyte);
-          out.x = e4m3x4(__fmul_rn(f[0], inv), __fmul_rn(f[1], inv), __fmul_rn(f[2], inv), __fmul_rn(f[3], inv));
-          out.y = e4m3x4(__fmul_rn(f[4], inv), __fmul_rn(f[5], inv), __fmul_rn(f[6], inv), __fmul_rn(f[7], inv));
-        }
+        uint32_t sbyte;
+        const uint2 out = fp8_group_item(f, item_amax_bits<kType>(raw[u], f), sbyte);
         if (item < items) {
           *reinterpret_cast<uint2*>(orow + item * 8) = out;
           if ((lane & 15) == 0) srow[item >> 4] = ue8m0_value(sbyte);

@@ -590,6 +590,33 @@ Tensor quantize_nvfp4_rows(const Tensor& x) {
   return out;
 }
 
+// NVFP4 byte rows uint8 [n, H/2 + H/16 + 4] (4-byte aligned rows), H % 128 == 0 -> (e4m3 [n, H], float32
+// [n, H/128]): formats.quantize_fp8_blockwise(formats.dequantize_nvfp4_rows(...)), in one pass.
+std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden) {
+  MOE_FP4_CHECK_CUDA(rows, "rows");
+  MOE_FP4_CHECK_DTYPE(rows, at::kByte, "rows");
+  MOE_FP4_CHECK_DIM(rows, 2, "rows");
+  TORCH_CHECK(hidden > 0 && hidden % 128 == 0, "hidden: expected a positive multiple of 128, got ", hidden);
+  TORCH_CHECK(rows.size(1) == hidden / 2 + hidden / 16 + 4, "rows: expected ", hidden / 2 + hidden / 16 + 4,
+              " bytes per row for hidden ", hidden, ", got ", rows.size(1));
+  TORCH_CHECK(rows.size(0) == 0 || rows.stride(1) == 1, "rows: expected a contiguous last dimension");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
+              "rows: rows must be 4-byte aligned");
+  const c10::cuda::CUDAGuard guard(rows.device());
+  Tensor out = at::empty({rows.size(0), hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_scales = at::empty({rows.size(0), hidden / 128}, rows.options().dtype(at::kFloat));
+  if (rows.size(0) == 0) return {out, out_scales};
+  moe_fp4::Nvfp4RowsToFp8Params p{};
+  p.rows = rows.data_ptr<uint8_t>();
+  p.row_stride = rows.stride(0);
+  p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_scales = out_scales.data_ptr<float>();
+  p.tokens = rows.size(0);
+  p.hidden = static_cast<int>(hidden);
+  check_launch(moe_fp4::launch_nvfp4_rows_to_fp8(p, c10::cuda::getCurrentCUDAStream()), "nvfp4_rows_to_fp8");
+  return {out, out_scales};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -630,6 +657,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "MXFP4 byte rows -> FP8 1x128 rows written in place to their slots' rows of out", py::arg("rows"),
         py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"), py::arg("copy_to") = py::none(),
         py::arg("copy_rows") = py::none());
+  m.def("nvfp4_rows_to_fp8", &nvfp4_rows_to_fp8, "NVFP4 byte rows -> FP8 1x128 rows", py::arg("rows"),
+        py::arg("hidden"));
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
 }

@@ -379,6 +379,16 @@ class NVFP4Payload(PayloadCodec):
     def _decode(self, rows, hidden, dtype):
         return formats.dequantize_nvfp4_rows(*self.split(rows, hidden), dtype=dtype)
 
+    def to_fp8_blockwise(self, rows, hidden):
+        """One pass (``ops.nvfp4_rows_to_fp8_blockwise``: native on CUDA): the bits of decoding to
+        float32 and quantizing to FP8 1x128."""
+        _check_rows(rows, self.row_bytes(hidden), hidden)
+        if hidden % FP8_GROUP:
+            raise ValueError(f"hidden: FP8 1x128 output needs a multiple of {FP8_GROUP}, got {hidden}")
+        if rows.shape[0] == 0:
+            return _quantize_fp8(torch.empty(0, hidden, device=rows.device))
+        return ops.nvfp4_rows_to_fp8_blockwise(rows, hidden)
+
 
 PAYLOADS: dict[str, type[PayloadCodec]] = {
     "bf16": BF16Payload,

@@ -62,6 +62,7 @@ __all__ = [
     "mxfp4_rows_to_fp8_cols",
     "mxfp4_to_fp8_blockwise",
     "native_available",
+    "nvfp4_rows_to_fp8_blockwise",
     "quantize_fp8_blockwise",
     "quantize_fp8_blockwise_rows_multi",
     "quantize_fp8_rows_cols",
@@ -520,6 +521,27 @@ def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
     """
     _float_rows(x, 16)
     return _ops.quantize_nvfp4_rows_op(x)
+
+
+def nvfp4_rows_to_fp8_blockwise(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4 byte rows (the nvfp4 dispatch payload, formats.pack_nvfp4_rows, each row with its tensor
+    scale) -> FP8 1x128 in one pass: each element decoded exactly (formats.dequantize_nvfp4_rows), then
+    formats.quantize_fp8_blockwise with 1x128 blocks, bit for bit (native on CUDA for 4-byte aligned
+    rows; the spec elsewhere).
+
+    rows: uint8 [n, H/2 + H/16 + 4] with a contiguous last dimension; hidden: H, a multiple of 128.
+    Returns (float8_e4m3fn [n, H], float32 [n, H/128]): power-of-two scales; NaN scale and zero data
+    for a group holding NaN (a block scale byte 0x7F decodes to NaN) or Inf.
+    """
+    _tensor(rows, "rows", (torch.uint8,), 2)
+    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden <= 0 or hidden % formats.FP8_GROUP:
+        raise ValueError(f"hidden: expected a positive multiple of {formats.FP8_GROUP}, got {hidden!r}")
+    width = formats.nvfp4_row_bytes(hidden)
+    if rows.shape[1] != width:
+        raise ValueError(f"rows: expected {width} bytes per row for hidden {hidden}, got {rows.shape[1]}")
+    if rows.shape[0] and rows.stride(1) != 1:
+        raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
+    return _ops.nvfp4_rows_to_fp8_op(rows, hidden)
 
 
 def mxfp4_rows_expand_fp8_blockwise(

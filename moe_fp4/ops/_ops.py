@@ -352,6 +352,20 @@ def _(x):
     return x.new_empty((t, formats.nvfp4_row_bytes(h)), dtype=torch.uint8)
 
 
+@torch.library.custom_op(f"{LIB}::nvfp4_rows_to_fp8", mutates_args=())
+def nvfp4_rows_to_fp8_op(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if _native_rows(rows):
+        return _native.module().nvfp4_rows_to_fp8(rows, hidden)
+    values = formats.dequantize_nvfp4_rows(*formats.unpack_nvfp4_rows(rows, hidden))
+    return formats.quantize_fp8_blockwise(values, block=(1, formats.FP8_GROUP))
+
+
+@nvfp4_rows_to_fp8_op.register_fake
+def _(rows, hidden):
+    return (rows.new_empty((rows.shape[0], hidden), dtype=FP8),
+            rows.new_empty((rows.shape[0], hidden // formats.FP8_GROUP), dtype=torch.float32))
+
+
 def _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales):
     data, scales, _underflow = formats.mxfp4_to_fp8_blockwise(*formats.unpack_mxfp4_rows(rows, hidden))
     token = torch.arange(rows.shape[0], device=rows.device).unsqueeze(1).expand_as(slots)
