@@ -136,11 +136,13 @@ __device__ __forceinline__ uint32_t nibble_signs_to_bytes(uint32_t spread) {
   return ((spread << 4) & 0x00800080u) | (spread & 0x80008000u);
 }
 
-// float32 value of E2M1 code c (0..15, sign in bit 3), as formats.decode_elements gives it.
+// float32 value of E2M1 code c (0..15, sign in bit 3), as formats.decode_elements gives it: magnitudes
+// 0, 0.5, 1, 1.5, 2, 3, 4, 6 built from their bits (exponent (mag >> 1) + 126 and mantissa bit mag & 1
+// from mag 2 on; 0.5 for mag 1; +-0 for mag 0).
 __device__ __forceinline__ float e2m1_value(uint32_t c) {
   const uint32_t mag = c & 7u;
-  const float v = mag < 4u ? 0.5f * static_cast<float>(mag) : static_cast<float>(1u << (mag - 3u)) * (mag & 1u ? 1.5f : 1.0f);
-  return (c & 8u) ? -v : v;
+  const uint32_t bits = mag == 0u ? 0u : (((mag >> 1) + 126u) << 23) | ((mag > 1u ? mag & 1u : 0u) << 22);
+  return __uint_as_float(bits | ((c & 8u) << 28));
 }
 
 // FP8 1x128 of one item (8 elements) of a group spread over 16 consecutive lanes (the spec's

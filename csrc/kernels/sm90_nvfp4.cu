@@ -198,46 +198,55 @@ cudaError_t launch_typed(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) 
   return cudaGetLastError();
 }
 
-// One warp per row; lane l of a pass takes item base + l (8 elements: 4 packed bytes of block
-// item / 2), 16 consecutive lanes one 1x128 group.
+// One warp per row; lane l of a pass takes chunk base + l: 32 elements (16 packed bytes, the scale
+// bytes of 2 blocks), 4 consecutive lanes one 1x128 group. Each element is the float32 product of its
+// E2M1 value and the block divisor (exact decode), then the group's FP8 1x128 (the spec's rounding).
 __global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_kernel(const Nvfp4RowsToFp8Params p) {
-  constexpr int kItemsPerPass = 4;  // items in flight per lane
   const int lane = threadIdx.x & 31;
   const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= p.tokens) return;
   const uint8_t* row = p.rows + t * p.row_stride;
-  const uint8_t* block_scales = row + p.hidden / 2;
-  const float gs = __ldg(reinterpret_cast<const float*>(block_scales + p.hidden / 16));
-  const int items = p.hidden / 8;
-  const int groups = p.hidden / kFp8Group;
-  uint8_t* orow = p.out + t * p.hidden;
-  float* srow = p.out_scales + t * groups;
-  for (int base = 0; base < items; base += 32 * kItemsPerPass) {
-    uint32_t codes[kItemsPerPass];
-    uint32_t scale_codes[kItemsPerPass];
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(row);
+  const uint16_t* block_scales = reinterpret_cast<const uint16_t*>(row + p.hidden / 2);  // 2 per chunk
+  const float gs = __ldg(reinterpret_cast<const float*>(row + p.hidden / 2 + p.hidden / 16));
+  const int chunks = p.hidden / 32;
+  uint4* orow = reinterpret_cast<uint4*>(p.out + t * p.hidden);
+  float* srow = p.out_scales + t * (p.hidden / kFp8Group);
+  for (int base = 0; base < chunks; base += 32) {  // chunks is a multiple of 4: a group's lanes all take part
+    const int q = base + lane;
+    const bool valid = q < chunks;
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+    uint32_t sc = 0u;
+    if (valid) {
 #pragma unroll
-    for (int u = 0; u < kItemsPerPass; ++u) {
-      const int item = base + u * 32 + lane;
-      codes[u] = item < items ? __ldcs(reinterpret_cast<const uint32_t*>(row) + item) : 0u;
-      scale_codes[u] = item < items ? block_scales[item >> 1] : 0u;
+      for (int i = 0; i < 4; ++i) w[i] = __ldcs(codes + 4 * q + i);
+      sc = __ldg(block_scales + q);
     }
+    const float d0 = __fmul_rn(e4m3_value(sc & 0xFFu), gs), d1 = __fmul_rn(e4m3_value(sc >> 8), gs);
+    float f[32];
+    uint32_t amax = 0;
 #pragma unroll
-    for (int u = 0; u < kItemsPerPass; ++u) {
-      const int item = base + u * 32 + lane;
-      const float d = __fmul_rn(e4m3_value(scale_codes[u]), gs);
-      float f[8];
-      uint32_t amax = 0;
+    for (int j = 0; j < 32; ++j) {
+      f[j] = __fmul_rn(e2m1_value((w[j >> 3] >> (4 * (j & 7))) & 0xFu), j < 16 ? d0 : d1);
+      amax = max(amax, __float_as_uint(f[j]) & 0x7FFFFFFFu);
+    }
+    if (!valid) amax = 0u;
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+    const uint32_t sbyte = e4m3_scale_byte(amax);
+    uint32_t o[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};  // NaN/Inf group: zero data, NaN scale
+    if (sbyte != kUe8m0Nan) {
+      const float inv = ue8m0_inverse(sbyte);
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        f[j] = __fmul_rn(e2m1_value((codes[u] >> (4 * j)) & 0xFu), d);
-        amax = max(amax, __float_as_uint(f[j]) & 0x7FFFFFFFu);
+      for (int k = 0; k < 8; ++k) {
+        o[k] = e4m3x4(__fmul_rn(f[4 * k], inv), __fmul_rn(f[4 * k + 1], inv), __fmul_rn(f[4 * k + 2], inv),
+                      __fmul_rn(f[4 * k + 3], inv));
       }
-      uint32_t sbyte;
-      const uint2 out = fp8_group_item(f, amax, sbyte);
-      if (item < items) {
-        *reinterpret_cast<uint2*>(orow + item * 8) = out;
-        if ((lane & 15) == 0) srow[item >> 4] = ue8m0_value(sbyte);
-      }
+    }
+    if (valid) {
+      orow[2 * q] = make_uint4(o[0], o[1], o[2], o[3]);
+      orow[2 * q + 1] = make_uint4(o[4], o[5], o[6], o[7]);
+      if ((lane & 3) == 0) srow[q >> 2] = ue8m0_value(sbyte);
     }
   }
 }
