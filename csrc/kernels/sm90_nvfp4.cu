@@ -212,15 +212,23 @@ __global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_kernel(const 
   const int chunks = p.hidden / 32;
   uint4* orow = reinterpret_cast<uint4*>(p.out + t * p.hidden);
   float* srow = p.out_scales + t * (p.hidden / kFp8Group);
+  // the next pass's codes and scale bytes are loaded before this pass converts (two passes in flight)
+  uint32_t nw[4] = {0u, 0u, 0u, 0u};
+  uint32_t nsc = 0u;
+  if (lane < chunks) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) nw[i] = __ldcs(codes + 4 * lane + i);
+    nsc = __ldg(block_scales + lane);
+  }
   for (int base = 0; base < chunks; base += 32) {  // chunks is a multiple of 4: a group's lanes all take part
     const int q = base + lane;
     const bool valid = q < chunks;
-    uint32_t w[4] = {0u, 0u, 0u, 0u};
-    uint32_t sc = 0u;
-    if (valid) {
+    const uint32_t w[4] = {nw[0], nw[1], nw[2], nw[3]};
+    const uint32_t sc = nsc;
+    if (q + 32 < chunks) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) w[i] = __ldcs(codes + 4 * q + i);
-      sc = __ldg(block_scales + q);
+      for (int i = 0; i < 4; ++i) nw[i] = __ldcs(codes + 4 * (q + 32) + i);
+      nsc = __ldg(block_scales + q + 32);
     }
     const float d0 = __fmul_rn(e4m3_value(sc & 0xFFu), gs), d1 = __fmul_rn(e4m3_value(sc >> 8), gs);
     float f[32];
