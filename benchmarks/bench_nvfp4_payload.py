@@ -5,7 +5,9 @@
 For BF16 tokens [T, H] -> NVFP4 byte rows [T, H/2 + H/16 + 4] (``ops.quantize_nvfp4_rows``: a pass
 for the tensor amax, then the rows), and for comparison the MXFP4 rows of the same tokens
 (``ops.quantize_mxfp4_rows``, one pass) and the spec (``formats.quantize_nvfp4`` + row packing, eager,
-and with the quantizer under ``torch.compile``). Timing as ``moe_fp4.ops.bench``: median of CUDA-event
+and with the quantizer under ``torch.compile``). Then the receive side: those rows to FP8 1x128
+(``ops.nvfp4_rows_to_fp8_blockwise`` against the spec's decode + quantization, and the MXFP4 rows'
+``ops.mxfp4_rows_to_fp8_blockwise`` for comparison). Timing as ``moe_fp4.ops.bench``: median of CUDA-event
 times, inputs rotated over sets larger than 3x L2. GB/s counts the bytes the op must move once (BF16 read once,
 rows written), so the NVFP4 rows' second read of the input (the amax pass) shows as a lower share of
 the copy ceiling, measured in the same run.
@@ -68,6 +70,26 @@ def _bench_shape(t: int, h: int, reps: int, ceiling: float, compiled, eager: boo
     row("nvfp4 rows (ops.quantize_nvfp4_rows)", us, t * formats.nvfp4_row_bytes(h), eager_us, compiled_us)
     us = _median_us(lambda i: ops.quantize_mxfp4_rows(xs[i]), ns, reps)
     row("mxfp4 rows (ops.quantize_mxfp4_rows)", us, t * formats.mxfp4_row_bytes(h))
+    # the receive side: the rows to FP8 1x128 (GB/s: rows read, E4M3 and scales written)
+    rows = [ops.quantize_nvfp4_rows(x) for x in xs]
+    got = ops.nvfp4_rows_to_fp8_blockwise(rows[0], h)
+    want = formats.quantize_fp8_blockwise(formats.dequantize_nvfp4_rows(*formats.unpack_nvfp4_rows(rows[0], h)),
+                                          block=(1, formats.FP8_GROUP))
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(got, want)), \
+        "native FP8 conversion differs from the spec"
+    moved = t * formats.nvfp4_row_bytes(h) + t * h + t * (h // formats.FP8_GROUP) * 4
+    us = _median_us(lambda i: ops.nvfp4_rows_to_fp8_blockwise(rows[i], h), ns, reps)
+    spec_us = _median_us(lambda i: formats.quantize_fp8_blockwise(formats.dequantize_nvfp4_rows(
+        *formats.unpack_nvfp4_rows(rows[i], h)), block=(1, formats.FP8_GROUP)), ns, reps=5, batch=2) if eager else None
+    gbs = moved / us / 1e3
+    e = f"{spec_us / us:.1f}x" if spec_us else ""
+    print(f"| nvfp4 rows -> FP8 1x128 (ops.nvfp4_rows_to_fp8_blockwise) | {shape} | {us:.1f} | {gbs:.0f} | "
+          f"{100 * gbs / ceiling:.1f} | {e} | |", flush=True)
+    mx_rows = [ops.quantize_mxfp4_rows(x) for x in xs]
+    us = _median_us(lambda i: ops.mxfp4_rows_to_fp8_blockwise(mx_rows[i], h), ns, reps)
+    moved = t * formats.mxfp4_row_bytes(h) + t * h + t * (h // formats.FP8_GROUP) * 4
+    print(f"| mxfp4 rows -> FP8 1x128 (ops.mxfp4_rows_to_fp8_blockwise) | {shape} | {us:.1f} | "
+          f"{moved / us / 1e3:.0f} | {100 * moved / us / 1e3 / ceiling:.1f} | | |", flush=True)
     if torchao is not None:
         _, data = torchao(xs[0])
         ours = formats.unpack_nvfp4_rows(ops.quantize_nvfp4_rows(xs[0]), h)[0]
