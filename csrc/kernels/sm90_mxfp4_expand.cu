@@ -14,20 +14,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
-// One warp copies a byte row of `bytes` bytes (both ends 4-byte aligned): 16-byte accesses where both
-// rows allow them, else 4-byte ones. Plain loads: the conversion's loads that follow hit the cache.
-__device__ __forceinline__ void copy_row(const uint8_t* src, uint8_t* dst, int bytes, int lane) {
-  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes)) & 15) == 0) {
-    const uint4* s = reinterpret_cast<const uint4*>(src);
-    uint4* d = reinterpret_cast<uint4*>(dst);
-    for (int i = lane; i < bytes / 16; i += 32) d[i] = s[i];
-  } else {
-    const uint32_t* s = reinterpret_cast<const uint32_t*>(src);
-    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    for (int i = lane; i < bytes / 4; i += 32) d[i] = s[i];
-  }
-}
-
 template <bool kVec8>
 __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(const Mxfp4ExpandFp8RowsParams p) {
   __shared__ ExpandRemap remap;
@@ -41,12 +27,13 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(co
   const bool valid = slot >= 0 && slot < p.num_rows;
   const uint32_t targets = __ballot_sync(0xFFFFFFFFu, valid);  // lanes whose slot names an output row
   if (targets == 0u) return;  // (nor copied: a caller converting a dispatch in slices masks the others)
+  uint8_t* copy = nullptr;
   if (p.copy_to != nullptr) {
     const long long c = p.copy_rows != nullptr ? p.copy_rows[t] : t;
-    if (c >= 0 && c < p.copy_count) copy_row(prow, p.copy_to + c * p.copy_stride, p.hidden / 2 + p.hidden / 32, lane);
+    if (c >= 0 && c < p.copy_count) copy = p.copy_to + c * p.copy_stride;
   }
   expand_row_to_slots<false, kVec8>(prow, prow + p.hidden / 2, p.hidden, targets, slot, p.out, p.out_scales, remap,
-                                    lane);
+                                    lane, copy);
 }
 
 }  // namespace

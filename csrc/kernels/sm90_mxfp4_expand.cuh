@@ -77,10 +77,14 @@ constexpr int kExpandUnroll = 8;  // items in flight per lane
 // converts 8 items per lane (an item is half an MX block: 8 packed bytes in, 16 E4M3 bytes out) and
 // stores them to every target row, 512 contiguous bytes per warp store; then the group scales
 // 2^(emax - 127 - 6) (NaN for a NaN group), one per lane.
+// copy (global memory, 4-byte aligned, or nullptr): also receives the row's bytes [packed | scales]
+// as they were loaded for the conversion (a copy that reads nothing twice).
 template <bool kShared, bool kVec8>
 __device__ __forceinline__ void expand_row_to_slots(const uint8_t* prow, const uint8_t* scrow, int hidden,
                                                     uint32_t targets, long long slot, uint8_t* out,
-                                                    float* out_scales, const ExpandRemap& remap, int lane) {
+                                                    float* out_scales, const ExpandRemap& remap, int lane,
+                                                    uint8_t* copy = nullptr) {
+  const bool copy8 = (reinterpret_cast<uintptr_t>(copy) & 7) == 0;
   const int items = hidden / 16;
   const int groups = hidden / kFp8Group;
   // kFull: every item of the pass lies in the row (no bounds checks).
@@ -94,6 +98,14 @@ __device__ __forceinline__ void expand_row_to_slots(const uint8_t* prow, const u
       const int item = base + u * 32 + lane;
       if (kFull || item < items) {
         const uint2 raw = load_codes<kShared, kVec8>(prow, item);
+        if (copy != nullptr) {
+          if (copy8) {
+            *reinterpret_cast<uint2*>(copy + item * 8) = raw;
+          } else {
+            reinterpret_cast<uint32_t*>(copy + item * 8)[0] = raw.x;
+            reinterpret_cast<uint32_t*>(copy + item * 8)[1] = raw.y;
+          }
+        }
         const uint32_t s4 = load_scale_word<kShared>(scrow, item >> 3);
         o[u] = convert_item(raw, (s4 >> (8 * ((item >> 1) & 3))) & 0xFFu, group_emax(s4), remap);
       }
@@ -114,7 +126,11 @@ __device__ __forceinline__ void expand_row_to_slots(const uint8_t* prow, const u
   for (int g0 = 0; g0 < groups; g0 += 32) {
     const int g = g0 + lane;
     float s = 0.0f;
-    if (g < groups) s = group_scale(group_emax(load_scale_word<kShared>(scrow, g)));
+    if (g < groups) {
+      const uint32_t s4 = load_scale_word<kShared>(scrow, g);
+      if (copy != nullptr) reinterpret_cast<uint32_t*>(copy + hidden / 2)[g] = s4;
+      s = group_scale(group_emax(s4));
+    }
     for (uint32_t m = targets; m != 0u; m &= m - 1u) {
       const long long r = __shfl_sync(0xFFFFFFFFu, slot, __ffs(m) - 1);
       if (g < groups) out_scales[r * groups + g] = s;
