@@ -39,6 +39,7 @@ the backend is dropped (a peer may still be reading them).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 
 import torch
@@ -75,13 +76,14 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
     push_blocks: thread blocks of the pushes of slices 1 and on (None: fill the GPU), leaving SM slots
       to the conversion beside them;
     fp8_pull: such a dispatch pulls instead (``pull_rows_fp8``): every rank encodes into its own
-      buffer and converts its received rows straight out of the senders' buffers."""
+      buffer and converts its received rows straight out of the senders' buffers (None:
+      MOE_FP4_FP8_PULL=1 turns it on, else off)."""
 
     direct = True
 
     def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000,
                  overlap_fp8: bool = True, fp8_chunks: int = 1, push_blocks: int | None = None,
-                 fp8_pull: bool = False):
+                 fp8_pull: bool | None = None):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -102,7 +104,7 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
                                         or push_blocks < 1):
             raise ValueError(f"push_blocks: expected None or a positive int, got {push_blocks!r}")
         self.fp8_chunks, self.push_blocks = fp8_chunks, push_blocks
-        self.fp8_pull = bool(fp8_pull)
+        self.fp8_pull = os.environ.get("MOE_FP4_FP8_PULL", "0") == "1" if fp8_pull is None else bool(fp8_pull)
         self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
         self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
