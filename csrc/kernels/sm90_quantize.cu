@@ -150,10 +150,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
 
 // BF16ToFP4Row for bfloat16 inputs: 16 elements (two 16-byte loads, half an MX block) per lane and
 // item, so a block's absolute maximum takes one shuffle and its scale byte is derived by 2 lanes.
-#ifndef MOE_FP4_BF16_UNROLL  // (a build-time knob for tuning runs: NVCC_APPEND_FLAGS=-DMOE_FP4_BF16_UNROLL=4)
-#define MOE_FP4_BF16_UNROLL 2
-#endif
-constexpr int kBf16Unroll = MOE_FP4_BF16_UNROLL;  // items in flight per lane (32 bytes each)
+constexpr int kBf16Unroll = 2;  // items in flight per lane (64 bytes)
 
 // Eight bytes of packed codes (item `item` of a row) and, from every second lane, the block's scale
 // byte, at the row's packed bytes prow and scale bytes srow.
