@@ -147,6 +147,34 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
 // buffer mapped on this GPU is one); rows int64 [T, D] on ref's device, D = len(dests),
 // at most kMaxRowDestinations. Row rows[t, d] of dests[d] receives token t's row (skipped when
 // negative or >= R_d).
+// (name passed at run time: the MOE_FP4_CHECK_* macros need a literal)
+void check_device_dtype(const Tensor& t, const Tensor& ref, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device() == ref.device(), name, ": expected device ", ref.device(), ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ", t.scalar_type());
+}
+
+// int64 [rows, k] contiguous, 1 <= k <= 32, on ref's device: the output rows of each byte row.
+void check_slot_table(const Tensor& slots, const Tensor& ref, int64_t rows, const char* name) {
+  check_device_dtype(slots, ref, at::kLong, name);
+  TORCH_CHECK(slots.dim() == 2 && slots.is_contiguous() && slots.size(0) == rows && slots.size(1) >= 1 &&
+                  slots.size(1) <= 32,
+              name, ": expected a contiguous [", rows, ", k] tensor with 1 <= k <= 32 (one row per byte row), got ",
+              slots.sizes());
+}
+
+// An FP8 1x128 output written in place: e4m3 [R, hidden] and float32 [R, hidden / 128], contiguous.
+void check_fp8_rows_output(const Tensor& out, const Tensor& out_scales, const Tensor& ref, int64_t hidden,
+                           const char* name, const char* scales_name) {
+  check_device_dtype(out, ref, at::kFloat8_e4m3fn, name);
+  check_device_dtype(out_scales, ref, at::kFloat, scales_name);
+  TORCH_CHECK(out.dim() == 2 && out.size(1) == hidden && out.is_contiguous(), name, ": expected a contiguous [R, ",
+              hidden, "] tensor, got ", out.sizes());
+  TORCH_CHECK(out_scales.dim() == 2 && out_scales.size(0) == out.size(0) && out_scales.size(1) == hidden / 128 &&
+                  out_scales.is_contiguous(),
+              scales_name, ": expected a contiguous [", out.size(0), ", ", hidden / 128, "] tensor, got ",
+              out_scales.sizes());
+}
+
 moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, const Tensor& rows, const Tensor& ref,
                                           int64_t tokens, int64_t width, int64_t max_blocks) {
   TORCH_CHECK(max_blocks >= 0 && max_blocks <= (1LL << 30), "max_blocks: expected 0 (no limit) or a block count, got ",
@@ -222,22 +250,8 @@ void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector
     const Tensor& slots = *fp8_slots;
     const Tensor& out = *fp8_out;
     const Tensor& out_scales = *fp8_scales;
-    MOE_FP4_CHECK_SAME_DEVICE(slots, x, "fp8_slots");
-    MOE_FP4_CHECK_DTYPE(slots, at::kLong, "fp8_slots");
-    MOE_FP4_CHECK_DIM(slots, 2, "fp8_slots");
-    TORCH_CHECK(slots.is_contiguous() && slots.size(0) == dests[fp8_dest].size(0) && slots.size(1) >= 1 &&
-                    slots.size(1) <= 32,
-                "fp8_slots: expected a contiguous [", dests[fp8_dest].size(0), ", k] tensor with 1 <= k <= 32, got ",
-                slots.sizes());
-    MOE_FP4_CHECK_SAME_DEVICE(out, x, "fp8_out");
-    MOE_FP4_CHECK_SAME_DEVICE(out_scales, x, "fp8_scales");
-    MOE_FP4_CHECK_DTYPE(out, at::kFloat8_e4m3fn, "fp8_out");
-    MOE_FP4_CHECK_DTYPE(out_scales, at::kFloat, "fp8_scales");
-    TORCH_CHECK(out.dim() == 2 && out.size(1) == h && out.is_contiguous(), "fp8_out: expected a contiguous [R, ", h,
-                "] tensor, got ", out.sizes());
-    TORCH_CHECK(out_scales.dim() == 2 && out_scales.size(0) == out.size(0) && out_scales.size(1) == h / 128 &&
-                    out_scales.is_contiguous(),
-                "fp8_scales: expected a contiguous [", out.size(0), ", ", h / 128, "] tensor, got ", out_scales.sizes());
+    check_slot_table(slots, x, dests[fp8_dest].size(0), "fp8_slots");
+    check_fp8_rows_output(out, out_scales, x, h, "fp8_out", "fp8_scales");
     p.fp8_dest = static_cast<int>(fp8_dest);
     p.fp8_slots = reinterpret_cast<const long long*>(slots.data_ptr<int64_t>());
     p.fp8_k = static_cast<int>(slots.size(1));
@@ -498,23 +512,8 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
   check_mxfp4_byte_rows(rows, hidden);
   TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
               "rows: rows must be 4-byte aligned");
-  MOE_FP4_CHECK_SAME_DEVICE(slots, rows, "slots");
-  MOE_FP4_CHECK_DTYPE(slots, at::kLong, "slots");
-  MOE_FP4_CHECK_DIM(slots, 2, "slots");
-  TORCH_CHECK(slots.is_contiguous(), "slots: expected a contiguous tensor");
-  TORCH_CHECK(slots.size(0) == rows.size(0), "slots: expected ", rows.size(0), " rows (one per byte row), got ",
-              slots.size(0));
-  TORCH_CHECK(slots.size(1) >= 1 && slots.size(1) <= 32, "slots: expected 1 to 32 slots per row, got ", slots.size(1));
-  MOE_FP4_CHECK_SAME_DEVICE(out, rows, "out");
-  MOE_FP4_CHECK_SAME_DEVICE(out_scales, rows, "out_scales");
-  MOE_FP4_CHECK_DTYPE(out, at::kFloat8_e4m3fn, "out");
-  MOE_FP4_CHECK_DTYPE(out_scales, at::kFloat, "out_scales");
-  TORCH_CHECK(out.dim() == 2 && out.size(1) == hidden && out.is_contiguous(), "out: expected a contiguous [R, ", hidden,
-              "] tensor, got ", out.sizes());
-  TORCH_CHECK(out_scales.dim() == 2 && out_scales.size(0) == out.size(0) && out_scales.size(1) == hidden / 128 &&
-                  out_scales.is_contiguous(),
-              "out_scales: expected a contiguous [", out.size(0), ", ", hidden / 128, "] tensor, got ",
-              out_scales.sizes());
+  check_slot_table(slots, rows, rows.size(0), "slots");
+  check_fp8_rows_output(out, out_scales, rows, hidden, "out", "out_scales");
   TORCH_CHECK(!copy_rows.has_value() || copy_to.has_value(), "copy_rows: needs copy_to");
   if (copy_to.has_value()) {
     const Tensor& c = *copy_to;

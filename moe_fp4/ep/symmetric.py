@@ -374,11 +374,7 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
         recv = dispatch_rows(backend, x, codec, handle)
         return recv, _convert_after(codec, recv, hidden, handle, per_token)
     n = handle.num_recv_tokens
-    recv = torch.empty(n, width, dtype=torch.uint8, device=backend.device)
-    slots = plan["token_slots"] if per_token else handle.slot_table
-    num_out = n if per_token else handle.num_rows
-    out = (torch.empty(num_out, hidden, dtype=torch.float8_e4m3fn, device=backend.device),
-           torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
+    recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
     lo = start_offsets(handle.recv_counts)[me]
     hi = lo + handle.recv_counts[me]
     blocks = [(a, b) for a, b in ((0, lo), (hi, n)) if b > a]  # the peers' rows in the received order
@@ -420,12 +416,7 @@ def pull_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     if not backend.push:  # the ranks agreed at the first allocation that some cannot map peers' buffers
         recv = dispatch_rows(backend, x, codec, handle)
         return recv, _convert_after(codec, recv, hidden, handle, per_token)
-    n = handle.num_recv_tokens
-    recv = torch.empty(n, width, dtype=torch.uint8, device=backend.device)
-    slots = plan["token_slots"] if per_token else handle.slot_table
-    num_out = n if per_token else handle.num_rows
-    out = (torch.empty(num_out, hidden, dtype=torch.float8_e4m3fn, device=backend.device),
-           torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
+    recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
     by_source = _source_tables(plan, handle, slots, per_token)
     main, side = torch.cuda.current_stream(backend.device), backend.side_stream
     backend.barrier(0)  # every peer has finished reading this rank's buffer
@@ -465,6 +456,18 @@ def _source_tables(plan, handle, slots, per_token: bool) -> dict:
             tables[s] = (src_slots, src_rows)
         plan[key] = tables
     return plan[key]
+
+
+def _fp8_outputs(backend, plan, handle, hidden: int, width: int, per_token: bool):
+    """The received rows (uint8 [n_recv, width]), the slot table of the conversion (one slot per
+    received row, or the handle's expert slots) and its FP8 output pair, all new."""
+    n = handle.num_recv_tokens
+    recv = torch.empty(n, width, dtype=torch.uint8, device=backend.device)
+    slots = plan["token_slots"] if per_token else handle.slot_table
+    num_out = n if per_token else handle.num_rows
+    out = (torch.empty(num_out, hidden, dtype=torch.float8_e4m3fn, device=backend.device),
+           torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
+    return recv, slots, out
 
 
 def _slice_slots(plan, slots, per_token: bool, c: int) -> torch.Tensor:
