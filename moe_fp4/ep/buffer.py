@@ -48,7 +48,6 @@ from moe_fp4.ep.payloads import (
     gather_rows,
     get_payload,
 )
-from moe_fp4.formats import FP8_GROUP
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
@@ -336,12 +335,13 @@ class Buffer:
             per_token = return_fp8 == "tokens"
             k = 1 if per_token else handle.slot_table.shape[1]
             if return_fp8 and getattr(self.backend, "overlap_fp8", False) and self.backend.push \
-                    and self.backend.chunks == 1 \
-                    and hidden % FP8_GROUP == 0 and codec.expands_in_place(x, hidden, k):
+                    and self.backend.chunks == 1 and codec.expands_in_place(x, hidden, k):
                 convert = symmetric.pull_rows_fp8 if self.backend.fp8_pull else symmetric.push_rows_fp8
                 recv, fp8 = convert(self.backend, x, codec, handle, per_token)
                 out = DispatchOutput(recv, codec, hidden, handle)
-                if per_token:
+                if fp8 is None:  # the ranks pull: converted after the transfer
+                    _convert(out, return_fp8)
+                elif per_token:
                     out.recv_fp8 = fp8
                 else:
                     out.fp8 = fp8

@@ -352,7 +352,8 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     """The push dispatch with the received rows converted to FP8 1x128 on the way: x [T, H] ->
     (received rows uint8 [n_recv, row_bytes] as ``push_rows`` returns them, (float8_e4m3fn [R, H],
     float32 [R, H/128])) with R = n_recv (``per_token``: row j is received row j) or the handle's
-    expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``).
+    expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``);
+    (rows, None) when the ranks agreed to pull instead (or chunks > 1): the caller converts then.
 
     The tokens go in ``backend.fp8_chunks`` slices (chunk_bounds). For each slice one kernel encodes
     its tokens once and stores their rows to every receiver; a row this rank sends itself is also
@@ -371,8 +372,7 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     if not backend.push or backend.chunks != 1:  # (the ranks may have agreed at the first allocation to pull)
-        recv = dispatch_rows(backend, x, codec, handle)
-        return recv, _convert_after(codec, recv, hidden, handle, per_token)
+        return dispatch_rows(backend, x, codec, handle), None  # (the caller converts)
     n = handle.num_recv_tokens
     recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
     lo = start_offsets(handle.recv_counts)[me]
@@ -407,15 +407,15 @@ def pull_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     own beside them on the calling stream (``expand_fp8_blockwise_into`` reading a source's whole
     buffer with a slot table indexed by the source's tokens: tokens not sent here are skipped without
     being read), copying each row to its received row in the same pass. The next dispatch's first
-    barrier keeps the buffers until every peer has read them."""
+    barrier keeps the buffers until every peer has read them. (rows, None) when the ranks agreed at
+    the first allocation that some cannot map their peers' buffers: the caller converts then."""
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
     width = codec.row_bytes(hidden)
     plan = direct_plan(handle, 1)
     backend.ensure_capacity(max(handle.peer_num_tokens) * width)  # the same size on every rank
     if not backend.push:  # the ranks agreed at the first allocation that some cannot map peers' buffers
-        recv = dispatch_rows(backend, x, codec, handle)
-        return recv, _convert_after(codec, recv, hidden, handle, per_token)
+        return dispatch_rows(backend, x, codec, handle), None  # (the caller converts)
     recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
     by_source = _source_tables(plan, handle, slots, per_token)
     main, side = torch.cuda.current_stream(backend.device), backend.side_stream
@@ -477,12 +477,6 @@ def _slice_slots(plan, slots, per_token: bool, c: int) -> torch.Tensor:
     if key not in plan:
         plan[key] = torch.where((plan["recv_chunk"] == c).unsqueeze(1), slots, -1).contiguous()
     return plan[key]
-
-
-def _convert_after(codec, recv, hidden, handle, per_token):
-    if per_token:
-        return codec.to_fp8_blockwise(recv, hidden)
-    return codec.expand_fp8_blockwise(recv, hidden, handle.slot_table, handle.num_rows, handle.expand_row)
 
 
 def fused_wire(codec):

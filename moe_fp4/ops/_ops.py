@@ -403,8 +403,7 @@ def _(rows, hidden, slots, num_rows):
 def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
                                   out_scales: torch.Tensor, copy_to: torch.Tensor | None,
                                   copy_rows: torch.Tensor | None) -> None:
-    if _native_rows(rows) and (copy_to is None or (copy_to.data_ptr() % 4 == 0 and
-                                                   (copy_to.shape[0] <= 1 or copy_to.stride(0) % 4 == 0))):
+    if _native_rows(rows) and (copy_to is None or _native_rows(copy_to)):
         _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, copy_to, copy_rows)
         return
     _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
