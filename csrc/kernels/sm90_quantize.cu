@@ -494,6 +494,14 @@ cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long l
   return cudaSuccess;
 }
 
+// One row per warp and the hardware's block scheduler, not a persistent grid: with 6-7 rows per
+// persistent warp at 32768 tokens the warps holding 7 finished last (BF16ToFP4Row on an H200, H 7168:
+// 161.5 -> 154.7 us). Past 2^30 blocks the kernels' warps stride over the rest.
+int grid_one_row_per_warp(long long rows) {
+  const long long blocks = (rows + kThreads / 32 - 1) / (kThreads / 32);
+  return static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30));
+}
+
 }  // namespace
 
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream) {
@@ -524,11 +532,7 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
         if (err != cudaSuccess) return err;
       } else {
         auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, false> : sm90_quantize_mxfp4_bf16_kernel<false, false>;
-        // One row per warp and the hardware's block scheduler, not a persistent grid: with 6-7 rows
-        // per persistent warp at 32768 tokens the warps holding 7 finished last (H200, H 7168:
-        // 161.5 -> 154.7 us). Past 2^30 blocks the kernel's warps stride over the rest.
-        const long long blocks = (p.tokens + kThreads / 32 - 1) / (kThreads / 32);
-        k<<<static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30)), kThreads, 0, stream>>>(p);
+        k<<<grid_one_row_per_warp(p.tokens), kThreads, 0, stream>>>(p);
       }
       break;
     }
@@ -556,17 +560,17 @@ cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream
   switch (p.x_type) {
     case FloatInput::kFloat32: {
       auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat32, false>;
-      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      k<<<grid_one_row_per_warp(p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
     case FloatInput::kBFloat16: {
       auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kBFloat16, false>;
-      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      k<<<grid_one_row_per_warp(p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
     case FloatInput::kFloat16: {
       auto k = sm90_quantize_fp8_blockwise_kernel<FloatInput::kFloat16, false>;
-      k<<<grid_for_rows(k, p.tokens), kThreads, 0, stream>>>(p);
+      k<<<grid_one_row_per_warp(p.tokens), kThreads, 0, stream>>>(p);
       break;
     }
   }
