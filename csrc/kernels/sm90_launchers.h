@@ -65,6 +65,7 @@ struct QuantizeMxfp4Params {
   uint8_t* fp8_out;            // float8_e4m3fn [fp8_rows, H], or nullptr: no conversion
   float* fp8_scales;           // float32 [fp8_rows, H/128]
   long long fp8_rows;
+  int row_parts;               // set by the launcher (the caller's value is ignored): warps per row
 };
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream);
 
@@ -128,6 +129,7 @@ struct QuantizeFp8Params {
   int hidden;                // H, a multiple of 128
   RowDestinations dests;     // num > 0 (bfloat16 x only): byte rows [H E4M3 | H/128 FP32 scales] to
                              // these destinations instead (out, out_scales unused)
+  int row_parts;             // set by the launcher (the caller's value is ignored): warps per row
 };
 cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
 
