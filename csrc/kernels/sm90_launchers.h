@@ -65,7 +65,6 @@ struct QuantizeMxfp4Params {
   uint8_t* fp8_out;            // float8_e4m3fn [fp8_rows, H], or nullptr: no conversion
   float* fp8_scales;           // float32 [fp8_rows, H/128]
   long long fp8_rows;
-  int row_parts;               // set by the launcher (the caller's value is ignored): warps per row
 };
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream);
 
