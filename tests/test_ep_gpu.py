@@ -97,23 +97,27 @@ def case_sync_budget(ctx, seed):
     return len(syncs), tuple(combined.shape)
 
 
-def _symm_buffer(ctx, n_exp, payload, chunks, push=False):
-    """chunks: pull-dispatch slices; push=True: the push dispatch (needs chunks == 1)."""
+def _symm_buffer(ctx, n_exp, payload, chunks, push=False, fp8_pull=False):
+    """chunks: pull-dispatch slices; push=True: the push dispatch (needs chunks == 1); fp8_pull: a
+    dispatch with return_fp8 pulls and converts out of the senders' buffers (``pull_rows_fp8``)."""
     from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-    backend = SymmetricMemoryBackend(ctx.group, chunks=chunks, push=push)
+    backend = SymmetricMemoryBackend(ctx.group, chunks=chunks, push=push, fp8_pull=fp8_pull)
     return Buffer(n_exp, ctx.group, payload=payload, backend=backend)
 
 
 def _mode(mode):
-    """'push' -> (1, True); 'pullN' -> (N, False)."""
-    return (1, True) if mode == "push" else (int(mode[4:]), False)
+    """'push' -> (1, True, False); 'fp8pull' -> (1, True, True); 'pullN' -> (N, False, False)."""
+    if mode in ("push", "fp8pull"):
+        return 1, True, mode == "fp8pull"
+    return int(mode[4:]), False, False
 
 
 def _check_mode(buf, mode):
     """A push dispatch that could not address the peers' buffers falls back to pulling (with a
     warning): the push cases must really have pushed."""
-    assert buf.backend.push == (mode == "push"), f"{mode}: the backend's push is {buf.backend.push} after a dispatch"
+    want = mode in ("push", "fp8pull")
+    assert buf.backend.push == want, f"{mode}: the backend's push is {buf.backend.push} after a dispatch"
 
 
 def _same_outputs(got, ref, what):
@@ -274,6 +278,27 @@ def case_symm_push_agreement(ctx, seed):
     return True
 
 
+def case_symm_settings_must_agree(ctx, seed, setting):
+    """Ranks built with different path settings (so that they would lay out each other's buffers
+    differently) get a ValueError naming the setting on every rank, at the first allocation, instead
+    of wrong rows or a hang."""
+    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
+    x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
+    from moe_fp4.ep.symmetric import SymmetricMemoryBackend
+
+    odd = ctx.rank == ctx.world_size - 1
+    kwargs = {"push": not odd} if setting == "push" else {"fp8_pull": odd}
+    buf = Buffer(n_exp, ctx.group, payload="mxfp4", backend=SymmetricMemoryBackend(ctx.group, **kwargs))
+    with pytest.raises(ValueError, match=rf"different settings: {setting} \(0 to 1\)"):
+        buf.dispatch(x, idx, w, return_fp8=True)
+    return setting
+
+
+@pytest.mark.parametrize("setting", ["push", "fp8_pull"])
+def test_symm_settings_must_agree(pool, setting):
+    pool.run(case_symm_settings_must_agree, fresh_seed(), setting)
+
+
 def test_push_destination_on_another_gpu_raises():
     """A destination tensor of another GPU (not a peer buffer mapped on this one) is refused."""
     from moe_fp4 import ops
@@ -289,12 +314,12 @@ def test_symm_push_falls_back_on_every_rank_together(pool):
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
-@pytest.mark.parametrize("mode", ["push", "pull1", "pull4"])
+@pytest.mark.parametrize("mode", ["push", "fp8pull", "pull1", "pull4"])
 def test_symm_matches_nccl(pool, payload, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "random")
 
 
-@pytest.mark.parametrize("mode", ["push", "pull3"])
+@pytest.mark.parametrize("mode", ["push", "fp8pull", "pull3"])
 @pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
 def test_symm_matches_nccl_ragged(pool, scenario, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", mode, scenario)

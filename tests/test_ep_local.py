@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -659,26 +660,38 @@ class _FakePeerHandle(_FakeSymmHandle):
         return torch.zeros(shape, dtype=dtype)
 
 
-@pytest.mark.parametrize("mine, others, push", [(True, True, True), (False, True, False), (True, False, False)])
-def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, push):
-    """At its first allocation the backend asks every rank (an all-reduce of 'can map the peers'
-    buffers') and pushes only if all can; a warning names whether this rank or another could not."""
-    import warnings
+def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
+    """A SymmetricMemoryBackend of rank 0 of 2 on the CPU whose first allocation's all-reduce meets
+    a peer that can (others) or cannot map its peers' buffers, built with other_settings (default:
+    this rank's)."""
     from types import SimpleNamespace
 
     import moe_fp4.ep.symmetric as symmetric
 
+    settings = dict(push=True, chunks=1, overlap_fp8=True, fp8_chunks=1, fp8_pull=False)
+    theirs = [int((other_settings or settings)[name]) for name in symmetric.SymmetricMemoryBackend._SHARED_SETTINGS]
+
     def all_reduce(t, op, group):
         assert op == "min"
-        t.clamp_(max=int(others))
+        t.copy_(torch.minimum(t, torch.tensor([int(others)] + theirs + [-v for v in theirs], dtype=t.dtype)))
 
     monkeypatch.setattr(symmetric, "dist", SimpleNamespace(all_reduce=all_reduce, ReduceOp=SimpleNamespace(MIN="min"),
                                                            group=SimpleNamespace(WORLD="world")))
     backend = symmetric.SymmetricMemoryBackend.__new__(symmetric.SymmetricMemoryBackend)
     backend.__dict__.update(rank=0, world_size=2, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
-                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, chunks=1, push=True)
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, **settings)
     backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
                                     rendezvous=lambda buf, group: _FakePeerHandle(buf, mine))
+    return backend
+
+
+@pytest.mark.parametrize("mine, others, push", [(True, True, True), (False, True, False), (True, False, False)])
+def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, push):
+    """At its first allocation the backend asks every rank (an all-reduce of 'can map the peers'
+    buffers') and pushes only if all can; a warning names whether this rank or another could not."""
+    import warnings
+
+    backend = _fake_first_allocation(monkeypatch, mine, others)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         backend.ensure_capacity(100)
@@ -689,6 +702,19 @@ def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, p
         assert not messages
     else:
         assert len(messages) == 1 and ("this rank cannot" if not mine else "another rank cannot") in messages[0]
+
+
+@pytest.mark.parametrize("name, value, shown", [
+    ("fp8_pull", True, "fp8_pull (0 to 1)"), ("push", False, "push (0 to 1)"), ("fp8_chunks", 3, "fp8_chunks (1 to 3)"),
+    ("chunks", 4, "chunks (1 to 4)"), ("overlap_fp8", False, "overlap_fp8 (0 to 1)")])
+def test_symm_backend_settings_must_agree(monkeypatch, name, value, shown):
+    """A peer built with another path setting: ValueError naming it at the first allocation (the
+    ranks would otherwise lay out each other's buffers differently)."""
+    other = dict(push=True, chunks=1, overlap_fp8=True, fp8_chunks=1, fp8_pull=False)
+    other[name] = value
+    backend = _fake_first_allocation(monkeypatch, True, True, other)
+    with pytest.raises(ValueError, match=r"different settings: " + re.escape(shown)):
+        backend.ensure_capacity(100)
 
 
 # ------------------------------------------------------------------------------------------------

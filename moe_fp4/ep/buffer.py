@@ -318,7 +318,8 @@ class Buffer:
           mxfp4 payload on CUDA the conversion overlaps the transfer: this rank's own rows are converted
           while the push to the peers is in flight, the peers' rows as soon as they have landed
           (``symmetric.push_rows_fp8``); otherwise the rows are converted after the transfer. The bits
-          are the same either way.
+          are the same either way. With the symm backend every rank must pass the same value (the
+          paths lay out the transfer buffers differently).
         """
         if return_fp8 not in (False, True, "rows", "tokens"):
             raise ValueError(f"return_fp8: expected False, True, 'rows' or 'tokens', got {return_fp8!r}")

@@ -77,7 +77,11 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       to the conversion beside them;
     fp8_pull: such a dispatch pulls instead (``pull_rows_fp8``): every rank encodes into its own
       buffer and converts its received rows straight out of the senders' buffers (None:
-      MOE_FP4_FP8_PULL=1 turns it on, else off)."""
+      MOE_FP4_FP8_PULL=1 turns it on, else off); only where the conversion on the way applies (push,
+      overlap_fp8, chunks 1; fp8_chunks and push_blocks do not apply to it).
+    Every rank of the group must be built with the same path settings (push, chunks, overlap_fp8,
+    fp8_chunks, fp8_pull: checked at the first allocation, ValueError otherwise) and pass the same
+    ``return_fp8`` to each dispatch: the paths lay out the buffers differently."""
 
     direct = True
 
@@ -147,23 +151,39 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         first = self.capacity == 0
         self.capacity = size
         self._peer_views = {}
-        if first and self.push and self.world_size > 1:
+        if first and self.world_size > 1:
             self._agree_on_push()
 
+    # Settings that choose a dispatch's path and its barriers: every rank must take the same path.
+    _SHARED_SETTINGS = ("push", "chunks", "overlap_fp8", "fp8_chunks", "fp8_pull")
+
     def _agree_on_push(self) -> None:
-        """Collective, at the first allocation: every rank tries to map each peer's buffer as a
-        tensor (what the push dispatch writes through) and the ranks push only if all of them can;
-        otherwise every rank pulls (one warning per rank that could not). One host sync, once."""
+        """Collective, at the first allocation: the ranks check that they were built with the same
+        path settings (``_SHARED_SETTINGS``: else ValueError on every rank, naming them; ranks on
+        different paths would write each other's buffers in different layouts); with ``push`` every
+        rank tries to map each peer's buffer as a tensor (what the push dispatch writes through) and
+        the ranks push only if all of them can; otherwise every rank pulls (one warning per rank that
+        could not). One host sync, once. Settings changed after this must be changed on every rank."""
         reason = ""
-        try:
-            for r in range(self.world_size):
-                if r != self.rank:
-                    self.peer_rows(r, 1, 1)
-        except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
-            reason = " ".join(str(e).split()) or type(e).__name__
-        flag = torch.tensor([0 if reason else 1], dtype=torch.int32, device=self.device)
+        if self.push:
+            try:
+                for r in range(self.world_size):
+                    if r != self.rank:
+                        self.peer_rows(r, 1, 1)
+            except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
+                reason = " ".join(str(e).split()) or type(e).__name__
+        mine = [int(getattr(self, name)) for name in self._SHARED_SETTINGS]
+        # one all-reduce (MIN) of [can push, settings, -settings]: the settings' minima and maxima
+        flag = torch.tensor([0 if reason else 1] + mine + [-v for v in mine], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        if not int(flag.item()):
+        got = flag.tolist()
+        n = len(mine)
+        differ = [f"{name} ({got[1 + i]} to {-got[1 + n + i]})" for i, name in enumerate(self._SHARED_SETTINGS)
+                  if got[1 + i] != -got[1 + n + i]]
+        if differ:
+            raise ValueError("symm backend: the ranks were built with different settings: " + ", ".join(differ)
+                             + "; every rank of the group must use the same ones")
+        if self.push and not got[0]:
             self.push = False
             why = f"this rank cannot address its peers' buffers as tensors ({reason})" if reason else \
                 "another rank cannot address its peers' buffers as tensors"
@@ -402,13 +422,14 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
 
 def pull_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, per_token: bool):
     """The dispatch to FP8 by pulling: the same results as ``push_rows_fp8``. Every rank encodes all its
-    tokens into its own buffer (one local pass); after a barrier each rank converts the rows it
-    receives straight out of the senders' buffers, the peers' over NVLink on the side stream and its
-    own beside them on the calling stream (``expand_fp8_blockwise_into`` reading a source's whole
+    tokens into its own buffer (one local pass); each rank converts the rows it receives straight out
+    of the senders' buffers, the peers' over NVLink on the side stream after a barrier and its own
+    beside them on the calling stream (``expand_fp8_blockwise_into`` reading a source's whole
     buffer with a slot table indexed by the source's tokens: tokens not sent here are skipped without
-    being read), copying each row to its received row in the same pass. The next dispatch's first
-    barrier keeps the buffers until every peer has read them. (rows, None) when the ranks agreed at
-    the first allocation that some cannot map their peers' buffers: the caller converts then."""
+    being read), copying each row to its received row in the same pass; the own rows do not wait for
+    the barrier. The next dispatch's first barrier keeps the buffers until every peer has read them.
+    (rows, None) when the ranks agreed at the first allocation that some cannot map their peers'
+    buffers: the caller converts then."""
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
     width = codec.row_bytes(hidden)
@@ -421,9 +442,9 @@ def pull_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     main, side = torch.cuda.current_stream(backend.device), backend.side_stream
     backend.barrier(0)  # every peer has finished reading this rank's buffer
     codec.encode_into(x, backend.staging(x.shape[0], width))
-    backend.barrier(1)  # every rank's rows are in its buffer
     side.wait_stream(main)
     with torch.cuda.stream(side):  # the peers' rows over NVLink
+        backend.barrier(1)  # every rank's rows are in its buffer (the own rows need not wait for it)
         for s in range(w):
             if s != me and handle.recv_counts[s]:
                 src_slots, src_rows = by_source[s]
