@@ -80,25 +80,15 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
   const Segments& seg = p.segments;
   const long long covered =
       (seg.lens != nullptr && seg.offsets == nullptr) ? warp_sum_lengths(seg.lens, seg.is64, seg.num) : p.rows;
-  // Work unit: part `part` of a row, kChunk items (one pass; the last part may be shorter) and the
-  // FP8 groups they cover (kChunk is a multiple of the 8 items of a group).
-  constexpr int kChunk = 32 * kRowUnroll;
-  const int parts = (items + kChunk - 1) / kChunk;
   unsigned long long underflow = 0;
-  for (long long unit = warp; unit < p.rows * parts; unit += num_warps) {
-    const long long row = unit / parts;
-    const int item_lo = static_cast<int>(unit - row * parts) * kChunk;
-    const int item_hi = min(items, item_lo + kChunk);
-    const int g_lo = item_lo / 8, g_hi = item_hi / 8;
+  for (long long row = warp; row < p.rows; row += num_warps) {
     uint8_t* orow = p.out + row * p.hidden;
     float* srow = p.out_scales + row * groups;
     const bool in_segment =
         seg.lens == nullptr || warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered);
     if (!in_segment) {  // rows outside every segment: zero data and zero scales
-      for (int item = item_lo + lane; item < item_hi; item += 32) {
-        reinterpret_cast<uint4*>(orow)[item] = make_uint4(0, 0, 0, 0);
-      }
-      for (int g = g_lo + lane; g < g_hi; g += 32) srow[g] = 0.0f;
+      for (int item = lane; item < items; item += 32) reinterpret_cast<uint4*>(orow)[item] = make_uint4(0, 0, 0, 0);
+      for (int g = lane; g < groups; g += 32) srow[g] = 0.0f;
       continue;
     }
     const uint8_t* prow = p.packed + row * p.packed_stride;
@@ -137,13 +127,11 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
         reinterpret_cast<uint4*>(orow)[item] = o;
       }
     };
-    if (item_hi - item_lo == kChunk) {
-      pass(item_lo, std::true_type{});
-    } else {
-      pass(item_lo, std::false_type{});
-    }
+    int base = 0;
+    for (; base + 32 * kRowUnroll <= items; base += 32 * kRowUnroll) pass(base, std::true_type{});
+    if (base < items) pass(base, std::false_type{});
     // The group scales, one per lane: 2^(emax - 127 - 6) of the group's largest scale byte.
-    for (int g = g_lo + lane; g < g_hi; g += 32) {
+    for (int g = lane; g < groups; g += 32) {
       const uint32_t s4 = __ldg(reinterpret_cast<const uint32_t*>(scrow) + g);
       srow[g] = group_scale(group_emax(s4));
     }
@@ -908,11 +896,9 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_cols_window_kernel(const Mxf
 cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
   const bool vec8 = ((p.packed_stride & 7) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 7) == 0);
-  // One part of a row (a pass of 32 * kRowUnroll items) per warp and the hardware's block scheduler,
-  // not a persistent grid: with 7-8 rows per persistent warp at 32768 tokens the warps holding 8
-  // finished last (H200: 105.6 -> 99.9 us with one row per warp).
-  const long long parts = (p.hidden / 16 + 32 * kRowUnroll - 1) / (32 * kRowUnroll);
-  const long long blocks = (p.rows * parts + kThreads / 32 - 1) / (kThreads / 32);
+  // One row per warp and the hardware's block scheduler, not a persistent grid: with 7-8 rows per
+  // persistent warp at 32768 tokens the warps holding 8 finished last (H200: 105.6 -> 99.9 us).
+  const long long blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
   const int grid = static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30));  // the kernel strides past it
   if (vec8) {
     sm90_mxfp4_to_fp8_rows_kernel<true><<<grid, kThreads, 0, stream>>>(p);
