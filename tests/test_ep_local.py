@@ -660,6 +660,9 @@ class _FakePeerHandle(_FakeSymmHandle):
         return torch.zeros(shape, dtype=dtype)
 
 
+_SYMM_SETTINGS = dict(push=True, chunks=1, overlap_fp8=True, fp8_chunks=1, fp8_pull=False)
+
+
 def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
     """A SymmetricMemoryBackend of rank 0 of 2 on the CPU whose first allocation's all-reduce meets
     a peer that can (others) or cannot map its peers' buffers, built with other_settings (default:
@@ -668,8 +671,8 @@ def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
 
     import moe_fp4.ep.symmetric as symmetric
 
-    settings = dict(push=True, chunks=1, overlap_fp8=True, fp8_chunks=1, fp8_pull=False)
-    theirs = [int((other_settings or settings)[name]) for name in symmetric.SymmetricMemoryBackend._SHARED_SETTINGS]
+    other = other_settings or _SYMM_SETTINGS
+    theirs = [int(other[name]) for name in symmetric.SymmetricMemoryBackend._SHARED_SETTINGS]
 
     def all_reduce(t, op, group):
         assert op == "min"
@@ -679,7 +682,7 @@ def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
                                                            group=SimpleNamespace(WORLD="world")))
     backend = symmetric.SymmetricMemoryBackend.__new__(symmetric.SymmetricMemoryBackend)
     backend.__dict__.update(rank=0, world_size=2, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
-                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, **settings)
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, **_SYMM_SETTINGS)
     backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
                                     rendezvous=lambda buf, group: _FakePeerHandle(buf, mine))
     return backend
@@ -710,8 +713,7 @@ def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, p
 def test_symm_backend_settings_must_agree(monkeypatch, name, value, shown):
     """A peer built with another path setting: ValueError naming it at the first allocation (the
     ranks would otherwise lay out each other's buffers differently)."""
-    other = dict(push=True, chunks=1, overlap_fp8=True, fp8_chunks=1, fp8_pull=False)
-    other[name] = value
+    other = dict(_SYMM_SETTINGS, **{name: value})
     backend = _fake_first_allocation(monkeypatch, True, True, other)
     with pytest.raises(ValueError, match=r"different settings: " + re.escape(shown)):
         backend.ensure_capacity(100)

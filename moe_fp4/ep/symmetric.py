@@ -152,12 +152,12 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self.capacity = size
         self._peer_views = {}
         if first and self.world_size > 1:
-            self._agree_on_push()
+            self._agree_at_first_allocation()
 
     # Settings that choose a dispatch's path and its barriers: every rank must take the same path.
     _SHARED_SETTINGS = ("push", "chunks", "overlap_fp8", "fp8_chunks", "fp8_pull")
 
-    def _agree_on_push(self) -> None:
+    def _agree_at_first_allocation(self) -> None:
         """Collective, at the first allocation: the ranks check that they were built with the same
         path settings (``_SHARED_SETTINGS``: else ValueError on every rank, naming them; ranks on
         different paths would write each other's buffers in different layouts); with ``push`` every
