@@ -151,11 +151,10 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
 // BF16ToFP4Row for bfloat16 inputs: 16 elements (two 16-byte loads, half an MX block) per lane and
 // item, so a block's absolute maximum takes one shuffle and its scale byte is derived by 2 lanes.
 constexpr int kBf16Unroll = 2;  // items in flight per lane (64 bytes)
+static_assert(kBf16Unroll == 2, "a warp step's 32 scale bytes are stored by one instruction (below)");
 
-// Eight bytes of packed codes (item `item` of a row) and, from every second lane, the block's scale
-// byte, at the row's packed bytes prow and scale bytes srow.
-__device__ __forceinline__ void store_bf16_item(uint8_t* prow, uint8_t* srow, int item, int lane, uint2 codes,
-                                                uint32_t sbyte, bool aligned8, bool aligned4) {
+// Eight bytes of packed codes (item `item` of a row) at the row's packed bytes prow.
+__device__ __forceinline__ void store_bf16_item_codes(uint8_t* prow, int item, uint2 codes, bool aligned8, bool aligned4) {
   uint8_t* dst = prow + item * 8;
   if (aligned8) {
     *reinterpret_cast<uint2*>(dst) = codes;
@@ -166,7 +165,6 @@ __device__ __forceinline__ void store_bf16_item(uint8_t* prow, uint8_t* srow, in
 #pragma unroll
     for (int b = 0; b < 8; ++b) dst[b] = static_cast<uint8_t>((b < 4 ? codes.x : codes.y) >> (8 * (b & 3)));
   }
-  if ((lane & 1) == 0) srow[item >> 1] = static_cast<uint8_t>(sbyte);
 }
 
 // Token t's row in destination d, or -1 (negative in the table, or past the destination's end).
@@ -312,6 +310,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
     uint8_t* srow = kMulti ? staged + p.hidden / 2 : p.scales + orow * p.scales_stride;
     for (int base = 0; base < items; base += 32 * kBf16Unroll) {
       uint4 raw[kBf16Unroll][2];
+      uint32_t sbs[kBf16Unroll];  // the scale byte of each item's block (lanes 2k and 2k + 1 agree)
 #pragma unroll
       for (int u = 0; u < kBf16Unroll; ++u) {
         const int item = base + u * 32 + lane;
@@ -356,7 +355,18 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
           codes.x = pack_pair_codes(pc[0], pc[1], pc[2], pc[3]);
           codes.y = pack_pair_codes(pc[4], pc[5], pc[6], pc[7]);
         }
-        if (item < items) store_bf16_item(prow, srow, item, lane, codes, sbyte, aligned8, aligned4);
+        sbs[u] = sbyte;
+        if (item < items) store_bf16_item_codes(prow, item, codes, aligned8, aligned4);
+      }
+      // The step's 64 items have 32 scale bytes, srow[base / 2 .. base / 2 + 31]: byte b of them comes
+      // from lane 2b of the first item (b < 16) or 2 (b - 16) of the second, and lane b stores it. One
+      // byte store by all 32 lanes (a whole 32-byte sector of a row's scales for H % 1024 == 0), not
+      // two by 16 lanes each: 155.2 -> 153.8 us at 32768 x 7168 on an H200 (89.6 -> 90.5% of copy).
+      {
+        const uint32_t first = __shfl_sync(0xFFFFFFFFu, sbs[0], (2 * lane) & 31);
+        const uint32_t second = __shfl_sync(0xFFFFFFFFu, sbs[1], (2 * lane) & 31);
+        const int b = base / 2 + lane;
+        if (b < items / 2) srow[b] = static_cast<uint8_t>(lane < 16 ? first : second);
       }
     }
     if constexpr (kMulti) phase = push_staged_row(p.dests, t, staged, lane, phase);
