@@ -15,6 +15,7 @@
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 
+#include <climits>
 #include <type_traits>
 
 namespace moe_fp4 {
@@ -492,8 +493,11 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   __shared__ uint32_t s_nan[kColWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = (p.hidden + kTileCols - 1) / kTileCols;
-  const int g = static_cast<int>(blockIdx.x / chunks);
-  const int ch = static_cast<int>(blockIdx.x - static_cast<unsigned>(g) * chunks);
+  // Column raster: consecutive CTAs take consecutive groups of one 256-column chunk, so that the CTAs
+  // running at once write long runs of each output row (H200, 32768 x 7168: 149.5 against 153.8 us
+  // with consecutive chunks of one group). CTAs past the tiles (row zeroing) take no group.
+  const int ch = p.num_groups > 0 ? static_cast<int>(blockIdx.x / p.num_groups) : chunks;
+  const int g = ch < chunks ? static_cast<int>(blockIdx.x - static_cast<long long>(ch) * p.num_groups) : INT_MAX;
   if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = kKTable.word[tid];
   if (warp == 0) {
     // The experts' exclusive prefix of rows and scale groups, 32 at a time: the group offsets (block
@@ -784,8 +788,9 @@ __global__ void __launch_bounds__(kThreads, 3) sm90_cols_window_kernel(const Mxf
   const long long n = p.rows;
   const int chunks = (p.hidden + kTileCols - 1) / kTileCols;
   const long long windows = (n + kTileRows - 1) / kTileRows;
-  const long long v = blockIdx.x / chunks;
-  const int ch = static_cast<int>(blockIdx.x - v * chunks);
+  // Column raster, as the one-pass kernel (ragged 32768 x 7168: 212 against 218.5 us).
+  const int ch = static_cast<int>(blockIdx.x / windows);
+  const long long v = blockIdx.x - static_cast<long long>(ch) * windows;
   const long long row0 = (windows - 1 - v) * kTileRows;
   const int cnt = static_cast<int>(min(static_cast<long long>(kTileRows), n - row0));
   const int c8 = ch * kTileCols + 8 * lane;  // this lane's first hidden column
