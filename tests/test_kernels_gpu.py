@@ -463,11 +463,42 @@ def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
         offs = torch.tensor([t, 4032, 0, 2816, 256, t, 3872, 512], device="cuda") if gaps else None
     else:
         lens, offs = _small_expert_splits(t, gaps)
-    groups, chosen = _ops.column_plan(lens, offs, t)
-    assert chosen == (not aligned)
+    groups, chosen, full = _ops.column_plan(lens, offs, t)
+    assert chosen == (not aligned) and not full
     want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
     native = ops.build()
     for two_pass in (False, True):
         _dirty_cache(4 * t * h)
         got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
         _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
+
+
+@pytest.mark.parametrize("h", [7168, 2048, 384])
+def test_mxfp4_rows_to_fp8_cols_full_groups(h):
+    """Segments back to back from row 0 with lengths that are multiples of 128 (column_plan's
+    full_groups): the one-pass kernel loads each group's rows before its look-up. The spec's bits
+    with the flag right, absent, and set for a layout it does not describe (the kernel checks the rows
+    it loaded early against the look-up); rows past the segments are zeroed."""
+    t = 3072 + 77
+    packed, scales = _mxfp4_input(t, h)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    lens = torch.randint(0, 4, (8,), generator=gen) * 128
+    lens[0], lens[3], lens[5] = 256, 0, 128
+    lens = lens.cuda()
+    groups, two_pass, full = _ops.column_plan(lens, None, t)
+    assert full and not two_pass
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, None)
+    native = ops.build()
+    for flag in (True, False):
+        _dirty_cache(4 * t * h)
+        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, flag)
+        _equal(got, want, (f"data full_groups={flag}", "scales", "group_offsets"))
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
+    # a first segment of 32 rows moves every later group off 128 g: the flag is wrong, the output is not
+    lens[0] = 32
+    groups, two_pass, full = _ops.column_plan(lens, None, t)
+    assert not full and not two_pass
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, None)
+    _dirty_cache(4 * t * h)
+    got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, True)
+    _equal(got, want, ("data, flag set wrongly", "scales", "group_offsets"))

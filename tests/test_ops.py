@@ -245,12 +245,19 @@ def test_column_plan_groups_path_and_validation():
     from moe_fp4.ops._ops import column_plan
 
     lens = torch.tensor([0, 32, 256, 129, 0, 64])
-    assert column_plan(lens, None, 600) == (0 + 1 + 2 + 2 + 0 + 1, True)  # 129 rows: the next starts at 417
-    assert column_plan(torch.tensor([32, 256, 128, 0, 64]), None, 480) == (5, False)
+    assert column_plan(lens, None, 600) == (0 + 1 + 2 + 2 + 0 + 1, True, False)  # 129: the next starts at 417
+    assert column_plan(torch.tensor([32, 256, 128, 0, 64]), None, 480) == (5, False, False)
     offs = torch.tensor([7, 64, 320, 600, 480])
-    assert column_plan(torch.tensor([32, 256, 128, 0, 64]), offs, 600) == (5, True)  # 7: off the boundary
+    assert column_plan(torch.tensor([32, 256, 128, 0, 64]), offs, 600) == (5, True, False)  # 7: off the boundary
     offs32 = torch.tensor([0, 64, 320, 3, 544], dtype=torch.int32)
-    assert column_plan(torch.tensor([32, 256, 128, 0, 56], dtype=torch.int32), offs32, 600) == (5, False)
+    assert column_plan(torch.tensor([32, 256, 128, 0, 56], dtype=torch.int32), offs32, 600) == (5, False, False)
+    # full groups: back to back from row 0, every length a multiple of 128 (empty segments anywhere)
+    assert column_plan(torch.tensor([256, 0, 128, 512]), None, 1000) == (7, False, True)
+    full_offs = torch.tensor([0, 999, 256, 384])  # the empty segment's offset is not a row of it
+    assert column_plan(torch.tensor([256, 0, 128, 512]), full_offs, 1000) == (7, False, True)
+    assert column_plan(torch.tensor([256, 128]), torch.tensor([0, 384]), 600) == (3, False, False)  # a gap
+    assert column_plan(torch.tensor([256, 128]), torch.tensor([128, 0]), 600) == (3, False, False)  # reordered
+    assert column_plan(torch.tensor([256, 96]), None, 600) == (3, False, False)  # 96: not a whole group
     with pytest.raises(ValueError, match="split_lens"):
         column_plan(torch.tensor([300, 301]), None, 600)
     with pytest.raises(ValueError, match="overlap"):

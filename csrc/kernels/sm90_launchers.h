@@ -114,6 +114,9 @@ struct Mxfp4ToFp8ColsParams {
   uint8_t* col_records;        // [G, H/8] 16-byte records (16-byte aligned): per scale group and 8
                                // hidden columns, the 8 scale bytes used to convert, then min | max << 8
   int* row_groups;             // int32 [ceil(N/128) * 128] (16-byte aligned): scale group of each row, -1 outside
+  bool full_groups;            // the caller knows the segments are back to back from row 0 with lengths that
+                               // are multiples of 128: group g is rows [128 g, 128 g + 128), so the one-pass
+                               // kernel may load them before its look-up (checked against it afterwards)
 };
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream);
 

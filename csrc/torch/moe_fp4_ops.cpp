@@ -365,11 +365,12 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
 // packed uint8 [N, H/2], scales uint8 [N, H/32], split_lens [E] (and offsets) -> (e4m3 [H, N],
 // float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller, and so
 // is the choice of path: one pass (each group's columns written as they are converted) or two passes
-// (scales first, then whole aligned 32-byte sectors; for segments that start off a 32-row boundary).
+// (scales first, then whole aligned 32-byte sectors; for segments that start off a 32-row boundary);
+// full_groups: the segments are back to back from row 0 with lengths that are multiples of 128.
 std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
                                                      const std::optional<Tensor>& split_offsets,
-                                                     int64_t num_groups, bool two_pass) {
+                                                     int64_t num_groups, bool two_pass, bool full_groups) {
   check_packed_scales(packed, scales);
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
@@ -404,6 +405,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.rows = n;
   p.hidden = static_cast<int>(h);
   p.num_groups = num_groups;
+  p.full_groups = full_groups;
   check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
   return {out, out_scales, group_offsets};
 }
@@ -641,7 +643,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
-        py::arg("two_pass"));
+        py::arg("two_pass"), py::arg("full_groups") = false);
   m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
   m.def("quantize_fp8_rows_cols", &quantize_fp8_rows_cols, "float [M,K] -> FP8 1x128 of x and of x^T (padded)",
         py::arg("x"));

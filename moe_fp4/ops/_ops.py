@@ -218,9 +218,12 @@ def _(rows, hidden, split_lens, split_offsets):
 COLUMN_SECTOR_ROWS = 32  # rows per 32-byte sector of the column-major E4M3 output
 
 
-def column_plan(split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int) -> tuple[int, bool]:
-    """(G, two_pass) for the column kernel, from one host read of the splits, which it also validates
-    (formats.check_splits on the host copy: ValueError for segments outside the rows or overlapping).
+def column_plan(
+    split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
+) -> tuple[int, bool, bool]:
+    """(G, two_pass, full_groups) for the column kernel, from one host read of the splits, which it also
+    validates (formats.check_splits on the host copy: ValueError for segments outside the rows or
+    overlapping).
 
     G = sum_e ceil(len_e / 128). The one-pass kernel writes each 128-row group's columns as it
     converts them: fast when every segment (hence every group) starts on a 32-row boundary, so that
@@ -229,6 +232,10 @@ def column_plan(split_lens: torch.Tensor, split_offsets: torch.Tensor | None, to
     then the two-pass kernel (scales first, then whole aligned sectors) is the faster one (H200,
     2026-11-24: 212 vs 295 us for 32 ragged experts at N = 32768, H = 7168; 210 vs 149 us for equal
     ones).
+
+    full_groups: the segments lie back to back from row 0 and every length is a multiple of 128, so
+    scale group g is rows [128 g, 128 g + 128); the one-pass kernel then loads a group's rows while it
+    looks the group up (H200, 32 equal experts at N = 32768: 145 against 150 us).
     """
     if split_offsets is not None and split_offsets.shape == split_lens.shape:
         host = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).cpu()
@@ -238,8 +245,11 @@ def column_plan(split_lens: torch.Tensor, split_offsets: torch.Tensor | None, to
     starts = check_splits(lens, offs, total_rows)
     lens = lens.to(torch.int64)
     groups = int(((lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
-    two_pass = bool((starts[lens > 0] % COLUMN_SECTOR_ROWS != 0).any())
-    return groups, two_pass
+    used = lens > 0
+    two_pass = bool((starts[used] % COLUMN_SECTOR_ROWS != 0).any())
+    packed_from_zero = bool((starts[used] == (torch.cumsum(lens, 0) - lens)[used]).all())
+    full_groups = packed_from_zero and bool((lens % formats.FP8_GROUP == 0).all())
+    return groups, two_pass, full_groups
 
 
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
@@ -248,8 +258,10 @@ def mxfp4_rows_to_fp8_cols_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed):
         # the output shape needs the lengths on the host anyway: one read, validated there
-        groups, two_pass = column_plan(split_lens, split_offsets, packed.shape[0])
-        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, groups, two_pass)
+        groups, two_pass, full_groups = column_plan(split_lens, split_offsets, packed.shape[0])
+        return _native.module().mxfp4_to_fp8_cols(
+            packed, scales, split_lens, split_offsets, groups, two_pass, full_groups
+        )
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 

@@ -125,7 +125,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         # FP4RowToFP8Col, 32 experts of equal length (multiples of 128)
         experts = 32
         lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
-        plan = _ops.column_plan(lens, None, t)  # (groups, two_pass) as the public op chooses them
+        plan = _ops.column_plan(lens, None, t)  # (groups, two_pass, full_groups) as the public op chooses them
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
 
         # The unfused sequence at its fastest: one compiled (fused) dequantize to BF16, a transpose
@@ -147,9 +147,9 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
         add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record
-        for name, ls, (g, two) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
-            us = _median_us(lambda i, ls=ls, g=g, two=two: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], ls, None, g,
-                                                                                    not two), ns, reps)
+        for name, ls, (g, two, full) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
+            us = _median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_to_fp8_cols(
+                q[i][0], q[i][1], ls, None, g, not two, full), ns, reps)
             add(f"FP4RowToFP8Col {name}, {'one' if two else 'two'}-pass", shape, us, fp4_bytes + fp8_bytes)
 
         # MXFP4 -> BF16
