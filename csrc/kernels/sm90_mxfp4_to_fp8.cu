@@ -495,8 +495,10 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   const int chunks = (p.hidden + kTileCols - 1) / kTileCols;
   // Column raster: consecutive CTAs take consecutive groups of one 256-column chunk, so that the CTAs
   // running at once write long runs of each output row (H200, 32768 x 7168: 149.5 against 153.8 us
-  // with consecutive chunks of one group). CTAs past the tiles (row zeroing) take no group.
-  const int ch = p.num_groups > 0 ? static_cast<int>(blockIdx.x / p.num_groups) : chunks;
+  // with consecutive chunks of one group). CTAs past the tiles (row zeroing) take no group, and their
+  // chunk index stays at `chunks` (no column arithmetic past the hidden size).
+  const int ch = p.num_groups > 0 ? static_cast<int>(min(blockIdx.x / p.num_groups, static_cast<long long>(chunks)))
+                                   : chunks;
   const int g = ch < chunks ? static_cast<int>(blockIdx.x - static_cast<long long>(ch) * p.num_groups) : INT_MAX;
   if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = kKTable.word[tid];
   // Each warp's 16 rows of the group starting at row r0 with n rows (lane: 4 packed bytes, 8 columns of
