@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
-from moe_fp4.formats.ragged import check_splits
+from moe_fp4.formats.ragged import check_splits, split_offsets_of
 from moe_fp4.ops import _native
 
 LIB = "moe_fp4"
@@ -247,7 +247,7 @@ def column_plan(
     groups = int(((lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
     used = lens > 0
     two_pass = bool((starts[used] % COLUMN_SECTOR_ROWS != 0).any())
-    packed_from_zero = bool((starts[used] == (torch.cumsum(lens, 0) - lens)[used]).all())
+    packed_from_zero = bool((starts[used] == split_offsets_of(lens)[used]).all())
     full_groups = packed_from_zero and bool((lens % formats.FP8_GROUP == 0).all())
     return groups, two_pass, full_groups
 
