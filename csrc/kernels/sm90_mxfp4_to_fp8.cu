@@ -514,32 +514,24 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
     const uint8_t* prow = p.packed + static_cast<long long>(r0 + rbase) * p.packed_stride + c8 / 2;
     const uint8_t* srow = p.scales + static_cast<long long>(r0 + rbase) * p.scales_stride + c8 / kMxBlock;
     const int nrows = active ? min(16, n - rbase) : 0;
-    if (nrows == 16) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
-        if constexpr (kVec4) {
-          wd[i] = __ldcs(reinterpret_cast<const uint32_t*>(q));
-        } else {
-          wd[i] = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
-                  (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
-        }
-        sv[i] = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
+    auto load_row = [&](int i) {
+      const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
+      if constexpr (kVec4) {
+        wd[i] = __ldcs(reinterpret_cast<const uint32_t*>(q));
+      } else {
+        wd[i] = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
+                (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
       }
+      sv[i] = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
+    };
+    if (nrows == 16) {  // the common case without per-row tests
+#pragma unroll
+      for (int i = 0; i < 16; ++i) load_row(i);
     } else {
 #pragma unroll
       for (int i = 0; i < 16; ++i) {
         wd[i] = sv[i] = 0u;
-        if (i < nrows) {
-          const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
-          if constexpr (kVec4) {
-            wd[i] = __ldcs(reinterpret_cast<const uint32_t*>(q));
-          } else {
-            wd[i] = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
-                    (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
-          }
-          sv[i] = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
-        }
+        if (i < nrows) load_row(i);
       }
     }
   };
