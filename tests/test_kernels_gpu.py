@@ -511,3 +511,86 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     _dirty_cache(4 * t * h)
     got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, True)
     _equal(got, want, ("data, one-row segments, flag set wrongly", "scales", "group_offsets"))
+
+
+def test_fp8_rows_zero_experts_zero_every_row():
+    """An empty split (zero experts) leaves every row outside every segment: zero data, zero scales,
+    no underflow, as the spec (an empty tensor's null data pointer must not read as "no split")."""
+    t, h = 96, 256
+    packed, scales = _mxfp4_input(t, h)
+    rows = formats.pack_mxfp4_rows(packed, scales)
+    names = ("data", "scales", "underflow")
+    for dtype in (torch.int64, torch.int32):
+        empty = torch.zeros(0, dtype=dtype, device="cuda")
+        want = _ops._spec_fp8_rows(packed, scales, empty, None)
+        assert not want[0].view(torch.uint8).any() and not want[1].any() and int(want[2]) == 0
+        _equal(ops.mxfp4_to_fp8_blockwise(packed, scales, empty), want, names)
+        _equal(ops.mxfp4_rows_to_fp8_blockwise(rows, h, empty), want, names)
+        col = ops.mxfp4_rows_to_fp8_cols(packed, scales, empty)
+        _equal(col, formats.mxfp4_rows_to_fp8_cols(packed, scales, empty), ("data", "scales", "group_offsets"))
+
+
+def _odd_stride_row(row):
+    """A one-row view of `row` ([1, W] uint8) whose row stride is W + 1 (odd), data 4-byte aligned."""
+    big = torch.randint(0, 256, (1, row.shape[1] + 1), dtype=torch.uint8, device="cuda")
+    big[:, : row.shape[1]] = row
+    view = big[:, : row.shape[1]]
+    assert view.stride(0) % 2 == 1 and view.data_ptr() % 4 == 0
+    return view
+
+
+def test_single_row_views_with_an_odd_row_stride():
+    """One row read through a view with an odd row stride (only its start matters): every op equals
+    the spec or, for NVFP4 rows, the same op on a contiguous copy."""
+    h = 256
+    packed, scales = _mxfp4_input(1, h)
+    pv = _odd_stride_row(packed)
+    want_bf16 = formats.dequantize_mxfp4(packed, scales, dtype=torch.bfloat16)
+    assert_bitwise_equal(ops.dequantize_mxfp4(pv, scales), want_bf16, "dequantize_mxfp4")
+    _equal(ops.mxfp4_to_fp8_blockwise(pv, scales), formats.mxfp4_to_fp8_blockwise(packed, scales),
+           ("data", "scales", "underflow"))
+    one = torch.ones(1, dtype=torch.int64, device="cuda")
+    _equal(ops.mxfp4_rows_to_fp8_cols(pv, scales, one), formats.mxfp4_rows_to_fp8_cols(packed, scales, one),
+           ("data", "scales", "group_offsets"))
+    nv = ops.quantize_nvfp4_rows(_float_input(1, h, torch.bfloat16))
+    _equal(ops.nvfp4_rows_to_fp8_blockwise(_odd_stride_row(nv), h), ops.nvfp4_rows_to_fp8_blockwise(nv, h),
+           ("data", "scales"))
+
+
+def test_rows_past_the_kernels_limit_are_refused():
+    """Rows longer than the native kernels' 32-bit row length take a clear error naming x."""
+    x = torch.randn(1, (1 << 24) + 128, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(RuntimeError, match="x: rows of 16777344 elements exceed"):
+        ops.quantize_fp8_blockwise(x)
+    with pytest.raises(RuntimeError, match="x: rows of 16777344 elements exceed"):
+        ops.quantize_mxfp4(x)
+
+
+def test_multi_destination_rows_too_wide_to_stage():
+    """Byte rows wider than the shared memory the multi-destination kernels stage them in take a clear
+    error naming x, and leave no CUDA error behind for the next launch."""
+    t, h = 4, 65536  # MXFP4 rows of 34816 bytes, FP8 rows of 67584: 8 per block exceed 227 KB
+    x = _float_input(t, h, torch.bfloat16)
+    rows = torch.arange(t, dtype=torch.int64, device="cuda").view(t, 1)
+    with pytest.raises(RuntimeError, match="x: rows of 65536 elements make 34816-byte rows"):
+        ops.quantize_mxfp4_rows_multi(x, [torch.empty(t, h // 2 + h // 32, dtype=torch.uint8, device="cuda")], rows)
+    with pytest.raises(RuntimeError, match="x: rows of 65536 elements make 67584-byte rows"):
+        ops.quantize_fp8_blockwise_rows_multi(x, [torch.empty(t, h + h // 32, dtype=torch.uint8, device="cuda")], rows)
+    small = _float_input(64, 256, torch.bfloat16)
+    _equal(ops.quantize_mxfp4(small), formats.quantize_mxfp4(small), ("packed", "scales"))
+    torch.cuda.synchronize()
+
+
+def test_binding_checks_raise_instead_of_crashing():
+    """The native binding's own argument checks (reached here past the Python validation) raise with
+    their numbers formatted: the extension shares the process's libstdc++ rather than a static copy
+    whose error formatting crashed."""
+    from moe_fp4.ops import _native
+
+    native = _native.module()
+    x = _float_input(4, 100, torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"x: last dimension \(100\) must be a multiple of 128"):
+        native.quantize_fp8_blockwise(x)
+    packed, scales = _mxfp4_input(8, 256)
+    with pytest.raises(RuntimeError, match=r"scales: expected shape \[8, 8\]"):
+        native.mxfp4_to_fp8_rows(packed, scales[:, :4], None, None)

@@ -23,6 +23,8 @@ struct Segments {
 // destination d, at base[d] + row * row_bytes; a negative row, or one at or past capacity[d], is
 // skipped. The addresses are passed by value (no device table to fill before the launch).
 constexpr int kMaxRowDestinations = 8;
+// Elements per row (the hidden size H) the kernels take: their per-row indices are 32-bit.
+constexpr long long kMaxHidden = 1LL << 24;
 struct RowDestinations {
   uint8_t* base[kMaxRowDestinations];       // destination d's row 0 (device addresses, peers' included)
   long long capacity[kMaxRowDestinations];  // rows destination d holds
@@ -134,6 +136,10 @@ struct QuantizeFp8Params {
   int row_parts;             // set by the launcher (the caller's value is ignored): warps per row
 };
 cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
+// The widest byte row the multi-destination quantizers (RowDestinations with num > 0) can stage: each
+// CTA keeps one row per warp in shared memory, so a row may take an eighth of the current device's
+// opt-in shared memory per block, less a reserve for the kernels' own (0 if the query fails).
+long long max_staged_row_bytes();
 
 // FP8 blockwise along both axes in one pass (the operands of a linear layer's real FP8 GEMMs):
 // x [M, K] -> row-major E4M3 [M, K] and/or the transpose E4M3 [K, ld_t], ld_t = M rounded up to 128

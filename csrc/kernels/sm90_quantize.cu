@@ -506,7 +506,10 @@ cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long l
   const size_t smem = (kThreads / 32) * pitch * (q.dests.staged_per_warp > 1 ? 2 : 1);
   if (smem > 48 * 1024) {  // above the default dynamic limit: raise it (fails past the device's)
     const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
+    if (err != cudaSuccess) {
+      (void)cudaGetLastError();  // returned to the caller, not left behind for the next launch check
+      return err;
+    }
   }
   kernel<<<grid_for_rows(kernel, rows, smem, q.dests.max_blocks), kThreads, smem, stream>>>(q);
   return cudaSuccess;
@@ -521,6 +524,18 @@ int grid_one_per_warp(long long units) {
 }
 
 }  // namespace
+
+long long max_staged_row_bytes() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  constexpr long long kReserve = 256;  // the kernels' static shared memory (at most 160 bytes today)
+  const long long per_row = (static_cast<long long>(optin) - kReserve) / (kThreads / 32);
+  return per_row > 0 ? per_row / 16 * 16 : 0;
+}
 
 cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t stream) {
   if (p.tokens <= 0 || p.hidden <= 0) return cudaSuccess;

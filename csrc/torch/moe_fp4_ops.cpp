@@ -31,6 +31,13 @@ void check_launch(cudaError_t err, const char* what) {
   TORCH_CHECK(err == cudaSuccess, what, ": CUDA launch failed: ", cudaGetErrorString(err));
 }
 
+// The hidden size H as the kernels' 32-bit row length, within their limit.
+int checked_hidden(int64_t h, const char* name) {
+  TORCH_CHECK(h <= moe_fp4::kMaxHidden, name, ": rows of ", h, " elements exceed the native kernels' limit of ",
+              moe_fp4::kMaxHidden, " elements per row");
+  return static_cast<int>(h);
+}
+
 moe_fp4::FloatInput float_input(const Tensor& x) {
   switch (x.scalar_type()) {
     case at::kFloat: return moe_fp4::FloatInput::kFloat32;
@@ -65,7 +72,10 @@ moe_fp4::Segments segments_of(const std::optional<Tensor>& lens, const std::opti
               "split_lens: expected dtype int32 or int64, got ", l.scalar_type());
   MOE_FP4_CHECK_DIM(l, 1, "split_lens");
   TORCH_CHECK(l.is_contiguous(), "split_lens: expected a contiguous tensor");
-  s.lens = l.data_ptr();
+  // An empty tensor's data pointer is null, which the kernels read as "no split given" (every row
+  // in one segment); zero segments must leave every row outside, so they get a pointer never read.
+  static const long long kNoSegments = 0;
+  s.lens = l.numel() > 0 ? l.data_ptr() : static_cast<const void*>(&kNoSegments);
   s.is64 = l.scalar_type() == at::kLong;
   s.num = static_cast<int>(l.size(0));
   if (offsets.has_value()) {
@@ -98,7 +108,7 @@ std::tuple<Tensor, Tensor> quantize_mxfp4(const Tensor& x, bool round_up) {
   p.row_index = nullptr;
   p.out_rows = t;
   p.tokens = t;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "x");
   p.round_up = round_up;
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4");
   return {packed, scales};
@@ -138,7 +148,7 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
   p.scales_stride = out.stride(0);
   p.out_rows = out.size(0);
   p.tokens = t;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "x");
   p.round_up = round_up;
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
 }
@@ -217,6 +227,9 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
 template <typename Params>
 Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows, int64_t width,
                          bool bulk, int64_t max_blocks) {
+  const int64_t max_width = moe_fp4::max_staged_row_bytes();
+  TORCH_CHECK(width <= max_width, "x: rows of ", x.size(1), " elements make ", width, "-byte rows; the multi-destination "
+              "kernels stage 8 rows per block in shared memory, at most ", max_width, " bytes per row on this device");
   Params p{};
   p.dests = row_destinations(dests, dest_rows, x, x.size(0), width, max_blocks);
   p.dests.bulk = bulk;
@@ -224,7 +237,7 @@ Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, cons
   p.x_type = moe_fp4::FloatInput::kBFloat16;
   p.x_stride = x.stride(0);
   p.tokens = x.size(0);
-  p.hidden = static_cast<int>(x.size(1));
+  p.hidden = checked_hidden(x.size(1), "x");
   return p;
 }
 
@@ -295,9 +308,9 @@ std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint
                                                    int64_t h, const std::optional<Tensor>& split_lens,
                                                    const std::optional<Tensor>& split_offsets) {
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed) % 4 == 0 && packed_stride % 4 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed) % 4 == 0 && (n <= 1 || packed_stride % 4 == 0),
               "packed: rows must be 4-byte aligned");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales) % 4 == 0 && scales_stride % 4 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales) % 4 == 0 && (n <= 1 || scales_stride % 4 == 0),
               "scales: rows must be 4-byte aligned");
   const c10::cuda::CUDAGuard guard(ref.device());
   Tensor out = at::empty({n, h}, ref.options().dtype(at::kFloat8_e4m3fn));
@@ -312,7 +325,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint
   p.out_scales = out_scales.data_ptr<float>();
   p.underflow = reinterpret_cast<unsigned long long*>(underflow.data_ptr<int64_t>());
   p.rows = n;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "packed");
   p.segments = segments_of(split_lens, split_offsets, ref);
   check_launch(moe_fp4::launch_mxfp4_to_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_to_fp8_blockwise");
   return {out, out_scales, underflow};
@@ -375,9 +388,9 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
   TORCH_CHECK(num_groups >= 0, "num_groups: expected a non-negative count, got ", num_groups);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && packed.stride(0) % 4 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && (packed.size(0) <= 1 || packed.stride(0) % 4 == 0),
               "packed: rows must be 4-byte aligned");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0 && scales.stride(0) % 4 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0 && (scales.size(0) <= 1 || scales.stride(0) % 4 == 0),
               "scales: rows must be 4-byte aligned");
   const c10::cuda::CUDAGuard guard(packed.device());
   moe_fp4::Mxfp4ToFp8ColsParams p{};
@@ -403,7 +416,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.col_records = two_pass ? reinterpret_cast<uint8_t*>(p.workspace + head) : nullptr;
   p.row_groups = two_pass ? reinterpret_cast<int*>(p.workspace + head + record_words) : nullptr;
   p.rows = n;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "packed");
   p.num_groups = num_groups;
   p.full_groups = full_groups;
   check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
@@ -424,7 +437,7 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(const Tensor& x) {
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.out_scales = out_scales.data_ptr<float>();
   p.tokens = t;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "x");
   check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()), "quantize_fp8_blockwise");
   return {out, out_scales};
 }
@@ -484,7 +497,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_fp8_tiles(const Tensor& w, bool tran
 // packed uint8 [N, H/2], scales uint8 [N, H/32] -> bfloat16 [N, H].
 Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   check_packed_scales(packed, scales);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && packed.stride(0) % 4 == 0,
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && (packed.size(0) <= 1 || packed.stride(0) % 4 == 0),
               "packed: rows must be 4-byte aligned");
   const c10::cuda::CUDAGuard guard(packed.device());
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
@@ -496,7 +509,7 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   p.scales_stride = scales.stride(0);
   p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   p.rows = n;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "packed");
   check_launch(moe_fp4::launch_dequantize_mxfp4_bf16(p, c10::cuda::getCurrentCUDAStream()), "dequantize_mxfp4");
   return out;
 }
@@ -553,7 +566,7 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
   p.out_scales = out_scales.data_ptr<float>();
   p.tokens = rows.size(0);
   p.num_rows = num_rows;
-  p.hidden = static_cast<int>(hidden);
+  p.hidden = checked_hidden(hidden, "hidden");
   check_launch(moe_fp4::launch_mxfp4_expand_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_expand_fp8");
 }
 
@@ -586,7 +599,7 @@ Tensor quantize_nvfp4_rows(const Tensor& x) {
   p.out_stride = out.stride(0);
   p.amax_bits = reinterpret_cast<unsigned int*>(amax.data_ptr<int>());
   p.tokens = t;
-  p.hidden = static_cast<int>(h);
+  p.hidden = checked_hidden(h, "x");
   check_launch(moe_fp4::launch_quantize_nvfp4_rows(p, c10::cuda::getCurrentCUDAStream()), "quantize_nvfp4_rows");
   return out;
 }
@@ -613,7 +626,7 @@ std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden)
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.out_scales = out_scales.data_ptr<float>();
   p.tokens = rows.size(0);
-  p.hidden = static_cast<int>(hidden);
+  p.hidden = checked_hidden(hidden, "hidden");
   check_launch(moe_fp4::launch_nvfp4_rows_to_fp8(p, c10::cuda::getCurrentCUDAStream()), "nvfp4_rows_to_fp8");
   return {out, out_scales};
 }

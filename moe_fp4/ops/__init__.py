@@ -2,7 +2,11 @@
 
 Every op returns exactly the bits that the spec returns for the same inputs. On CPU tensors, or on
 CUDA where the extension cannot be built, the op runs the spec itself. The ops are torch.library
-custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile traces them.
+custom ops (namespace ``moe_fp4``) with fake implementations, so torch.compile traces them. The
+native kernels take rows of at most 2^24 elements (H); longer rows get a RuntimeError naming the
+argument. The multi-destination ops also stage 8 byte rows per thread block in shared memory, which
+bounds their row width (29,024 bytes on an H100 or H200: H up to 54,624 for MXFP4 rows, 28,032 for
+FP8 rows).
 
   quantize_mxfp4               BF16ToFP4Row: float [T, H] -> packed E2M1 [T, H/2] + UE8M0 [T, H/32]
   quantize_mxfp4_rows          the same as byte rows [R, H/2 + H/32], optionally at given rows (dispatch)

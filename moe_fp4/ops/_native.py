@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -94,6 +95,11 @@ def build(verbose: bool = False):
                 extra_include_paths=[str(csrc_dir() / "kernels")],
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3", "-lineinfo"],
+                # The process's shared libstdc++ (torch's), never a private static copy: a toolchain
+                # whose -lstdc++ finds only the archive (a GCC under /opt with its own library dir)
+                # linked one into the extension, and its uninitialised locale crashed the first error
+                # message that formats a number, turning every argument check into a segfault.
+                extra_ldflags=["-l:libstdc++.so.6"] if sys.platform.startswith("linux") else [],
                 build_directory=str(out),
                 verbose=verbose,
             )

@@ -21,6 +21,12 @@ def _native_for(t: torch.Tensor) -> bool:
     return t.is_cuda and _native.available()
 
 
+def _word_rows(t: torch.Tensor) -> bool:
+    """Rows the native kernels read by 4-byte words: a 4-byte aligned start and row stride (a single
+    row: its start only). Other views take the spec."""
+    return t.data_ptr() % 4 == 0 and (t.shape[0] <= 1 or t.stride(0) % 4 == 0)
+
+
 def _round_up(scale_rounding: str) -> bool:
     return scale_rounding == "up"
 
@@ -182,7 +188,7 @@ def _(x, dests, dest_rows, bulk, max_blocks):
 def mxfp4_to_fp8_blockwise_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _native_for(packed):
+    if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         return _native.module().mxfp4_to_fp8_rows(packed, scales, split_lens, split_offsets)
     return _spec_fp8_rows(packed, scales, split_lens, split_offsets)
 
@@ -204,7 +210,7 @@ def _(packed, scales, split_lens, split_offsets):
 def mxfp4_rows_to_fp8_blockwise_op(
     rows: torch.Tensor, hidden: int, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _native_for(rows):
+    if _native_for(rows) and _word_rows(rows):
         return _native.module().mxfp4_byte_rows_to_fp8_rows(rows, hidden, split_lens, split_offsets)
     packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
     return _spec_fp8_rows(packed, scales, split_lens, split_offsets)
@@ -256,7 +262,7 @@ def column_plan(
 def mxfp4_rows_to_fp8_cols_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if _native_for(packed):
+    if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
         groups, two_pass, full_groups = column_plan(split_lens, split_offsets, packed.shape[0])
         return _native.module().mxfp4_to_fp8_cols(
@@ -340,8 +346,7 @@ def dequantize_mxfp4_op(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
         dtype == torch.bfloat16
         and packed.dim() == 2
         and _native_for(packed)
-        and packed.data_ptr() % 4 == 0
-        and (packed.shape[0] <= 1 or packed.stride(0) % 4 == 0)
+        and _word_rows(packed)
     ):
         return _native.module().dequantize_mxfp4_bf16(packed, scales)
     return formats.dequantize_mxfp4(packed, scales, dtype=dtype)
@@ -395,7 +400,7 @@ def _spec_expand_fp8_rows(rows, hidden, slots, num_rows):
 
 
 def _native_rows(rows) -> bool:
-    return _native_for(rows) and rows.data_ptr() % 4 == 0 and (rows.shape[0] <= 1 or rows.stride(0) % 4 == 0)
+    return _native_for(rows) and _word_rows(rows)
 
 
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8", mutates_args=())
