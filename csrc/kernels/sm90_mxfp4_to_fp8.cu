@@ -287,6 +287,21 @@ __device__ __forceinline__ void transpose4x4(uint32_t r0, uint32_t r1, uint32_t 
   c3 = __byte_perm(t1, t3, 0x7632);
 }
 
+// Step 1 for one row: the keys of the 8 columns of a packed word with magnitude codes sel (the word
+// & 0x77777777) in a row of scale byte s, folded into the maxima (16-bit keys, columns 2j and 2j + 1
+// in mj).
+__device__ __forceinline__ void add_row_keys(uint32_t sel, uint32_t s, uint32_t& m0, uint32_t& m1, uint32_t& m2,
+                                             uint32_t& m3) {
+  const uint32_t s4 = s * 0x00040004u;
+  const uint32_t lo0 = __byte_perm(kKeyLo, kKeyHi, sel), hi0 = __byte_perm(kKeyZeroHigh, 0u, sel);
+  const uint32_t sel_hi = __umulhi(sel, 0x10000u);
+  const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel_hi), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel_hi);
+  m0 = max_s16x2(m0, __byte_perm(lo0, hi0, 0x5140) + s4);
+  m1 = max_s16x2(m1, __byte_perm(lo0, hi0, 0x7362) + s4);
+  m2 = max_s16x2(m2, __byte_perm(lo1, hi1, 0x5140) + s4);
+  m3 = max_s16x2(m3, __byte_perm(lo1, hi1, 0x7362) + s4);
+}
+
 // ---- First pass of the two-pass path: scales and records, row-major. ----
 // One CTA per (scale group, 256 hidden columns). Warp w reads rows w, w + 8, ... of the group, each as
 // one coalesced 128-byte load (4 packed bytes, 8 columns per lane) plus the row's scale byte of the
@@ -329,14 +344,7 @@ __global__ void __launch_bounds__(kThreads) sm90_cols_scales_kernel(const Mxfp4T
     for (int k = 0; k < kScaleRowsPerWarp; ++k) {
       const uint32_t sel = wv[k] & 0x77777777u;
       nan |= sv[k] == kUe8m0Nan;
-      const uint32_t s4 = sv[k] * 0x00040004u;  // rows past cnt: all-zero codes, keys below 0
-      const uint32_t lo0 = __byte_perm(kKeyLo, kKeyHi, sel), hi0 = __byte_perm(kKeyZeroHigh, 0u, sel);
-      const uint32_t sel_hi = __umulhi(sel, 0x10000u);
-      const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel_hi), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel_hi);
-      m0 = max_s16x2(m0, __byte_perm(lo0, hi0, 0x5140) + s4);
-      m1 = max_s16x2(m1, __byte_perm(lo0, hi0, 0x7362) + s4);
-      m2 = max_s16x2(m2, __byte_perm(lo1, hi1, 0x5140) + s4);
-      m3 = max_s16x2(m3, __byte_perm(lo1, hi1, 0x7362) + s4);
+      add_row_keys(sel, sv[k], m0, m1, m2, m3);  // rows past cnt: all-zero codes, keys below 0
     }
   }
   if (warp > 0) {
@@ -480,6 +488,41 @@ __device__ __forceinline__ void tile_store(const uint8_t* tile, uint8_t* out0, l
   }
 }
 
+// Per element through the table (subnormal results, underflow, saturated or NaN columns): the lane's
+// 16 rows x 8 columns into the tile, row i converted with the record rec_of(i).
+template <typename RecordOf>
+__device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uint8_t* ktable, const uint32_t (&wd)[16],
+                                                        const uint32_t (&sv)[16], int lane, int warp, RecordOf rec_of) {
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    uint32_t r[2][4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int i = 4 * a + q;
+      const uint32_t w = wd[i];
+      const int s = static_cast<int>(sv[i]);
+      const uint4 rec = rec_of(i);
+      r[0][q] = r[1][q] = 0u;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint32_t bj = ((j < 4 ? rec.x : rec.y) >> (8 * (j & 3))) & 0xFFu;
+        const int k = min(max(s - static_cast<int>(bj), -14), 9);
+        const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((w >> (4 * j)) & 7u)]) |
+                           (((w >> (4 * j + 3)) & 1u) << 7);
+        r[j >> 2][q] |= (bj == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
+      }
+    }
+    uint32_t c0[4], c1[4];
+    transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], c0[0], c0[1], c0[2], c0[3]);
+    transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], c1[0], c1[1], c1[2], c1[3]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + j, warp) + 4 * a) = c0[j];
+      *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + 4 + j, warp) + 4 * a) = c1[j];
+    }
+  }
+}
+
 template <bool kVec4>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -594,14 +637,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
         smin = min(smin, static_cast<int>(s));
         smax = max(smax, static_cast<int>(s));
       }
-      const uint32_t s4 = s * 0x00040004u;
-      const uint32_t lo0 = __byte_perm(kKeyLo, kKeyHi, sel), hi0 = __byte_perm(kKeyZeroHigh, 0u, sel);
-      const uint32_t sel_hi = __umulhi(sel, 0x10000u);
-      const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel_hi), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel_hi);
-      m0 = max_s16x2(m0, __byte_perm(lo0, hi0, 0x5140) + s4);
-      m1 = max_s16x2(m1, __byte_perm(lo0, hi0, 0x7362) + s4);
-      m2 = max_s16x2(m2, __byte_perm(lo1, hi1, 0x5140) + s4);
-      m3 = max_s16x2(m3, __byte_perm(lo1, hi1, 0x7362) + s4);
+      add_row_keys(sel, s, m0, m1, m2, m3);
     }
     keys[warp * 32 + lane] = make_uint4(m0, m1, m2, m3);
     const uint32_t nan_bits = __ballot_sync(0xFFFFFFFFu, nan);
@@ -684,32 +720,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
         }
       } else {
         // Per element through the table (subnormal results, underflow, saturated or NaN columns).
-#pragma unroll
-        for (int a = 0; a < 4; ++a) {
-          uint32_t r[2][4];
-#pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const uint32_t w = wd[4 * a + q];
-            const int s = static_cast<int>(sv[4 * a + q]);
-            r[0][q] = r[1][q] = 0u;
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const uint32_t b = ((j < 4 ? sbw_lo : sbw_hi) >> (8 * (j & 3))) & 0xFFu;
-              const int k = min(max(s - static_cast<int>(b), -14), 9);
-              const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((w >> (4 * j)) & 7u)]) |
-                                 (((w >> (4 * j + 3)) & 1u) << 7);
-              r[j >> 2][q] |= (b == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
-            }
-          }
-          uint32_t c0[4], c1[4];
-          transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], c0[0], c0[1], c0[2], c0[3]);
-          transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], c1[0], c1[1], c1[2], c1[3]);
-#pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + j, warp) + 4 * a) = c0[j];
-            *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + 4 + j, warp) + 4 * a) = c1[j];
-          }
-        }
+        window_rows_per_element(tile, ktable, wd, sv, lane, warp, [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
       }
       if (fast) {
 #pragma unroll
@@ -733,41 +744,6 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   for (long long row = gwarp; row < p.rows; row += num_warps) {
     if (warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered)) continue;
     for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * p.rows + row] = 0;
-  }
-}
-
-// Per element through the table (subnormal results, underflow, saturated or NaN columns): the lane's
-// 16 rows x 8 columns into the tile, row i converted with the record rec_of(i).
-template <typename RecordOf>
-__device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uint8_t* ktable, const uint32_t (&wd)[16],
-                                                        const uint32_t (&sv)[16], int lane, int warp, RecordOf rec_of) {
-#pragma unroll
-  for (int a = 0; a < 4; ++a) {
-    uint32_t r[2][4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const int i = 4 * a + q;
-      const uint32_t w = wd[i];
-      const int s = static_cast<int>(sv[i]);
-      const uint4 rec = rec_of(i);
-      r[0][q] = r[1][q] = 0u;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t bj = ((j < 4 ? rec.x : rec.y) >> (8 * (j & 3))) & 0xFFu;
-        const int k = min(max(s - static_cast<int>(bj), -14), 9);
-        const uint32_t e = static_cast<uint32_t>(ktable[(k + 14) * 8 + ((w >> (4 * j)) & 7u)]) |
-                           (((w >> (4 * j + 3)) & 1u) << 7);
-        r[j >> 2][q] |= (bj == kUe8m0Nan ? 0u : e) << (8 * (j & 3));
-      }
-    }
-    uint32_t c0[4], c1[4];
-    transpose4x4(r[0][0], r[0][1], r[0][2], r[0][3], c0[0], c0[1], c0[2], c0[3]);
-    transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], c1[0], c1[1], c1[2], c1[3]);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + j, warp) + 4 * a) = c0[j];
-      *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + 4 + j, warp) + 4 * a) = c1[j];
-    }
   }
 }
 
