@@ -720,7 +720,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
         }
       } else {
         // Per element through the table (subnormal results, underflow, saturated or NaN columns).
-        window_rows_per_element(tile, ktable, wd, sv, lane, warp, [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
+        window_rows_per_element(tile, ktable, wd, sv, lane, warp,
+                                [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
       }
       if (fast) {
 #pragma unroll

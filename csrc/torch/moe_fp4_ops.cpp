@@ -38,6 +38,13 @@ int checked_hidden(int64_t h, const char* name) {
   return static_cast<int>(h);
 }
 
+// Rows the kernels read by 4-byte words: a 4-byte aligned start and, with more than one row, row stride
+// (moe_fp4.ops routes other views to the spec).
+void check_word_rows(const void* data, int64_t stride, int64_t rows, const char* name) {
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(data) % 4 == 0 && (rows <= 1 || stride % 4 == 0), name,
+              ": rows must be 4-byte aligned");
+}
+
 moe_fp4::FloatInput float_input(const Tensor& x) {
   switch (x.scalar_type()) {
     case at::kFloat: return moe_fp4::FloatInput::kFloat32;
@@ -228,8 +235,9 @@ template <typename Params>
 Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows, int64_t width,
                          bool bulk, int64_t max_blocks) {
   const int64_t max_width = moe_fp4::max_staged_row_bytes();
-  TORCH_CHECK(width <= max_width, "x: rows of ", x.size(1), " elements make ", width, "-byte rows; the multi-destination "
-              "kernels stage 8 rows per block in shared memory, at most ", max_width, " bytes per row on this device");
+  TORCH_CHECK(width <= max_width, "x: rows of ", x.size(1), " elements make ", width,
+              "-byte rows; the multi-destination kernels stage 8 rows per block in shared memory, at most ",
+              max_width, " bytes per row on this device");
   Params p{};
   p.dests = row_destinations(dests, dest_rows, x, x.size(0), width, max_blocks);
   p.dests.bulk = bulk;
@@ -308,10 +316,8 @@ std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint
                                                    int64_t h, const std::optional<Tensor>& split_lens,
                                                    const std::optional<Tensor>& split_offsets) {
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed) % 4 == 0 && (n <= 1 || packed_stride % 4 == 0),
-              "packed: rows must be 4-byte aligned");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales) % 4 == 0 && (n <= 1 || scales_stride % 4 == 0),
-              "scales: rows must be 4-byte aligned");
+  check_word_rows(packed, packed_stride, n, "packed");
+  check_word_rows(scales, scales_stride, n, "scales");
   const c10::cuda::CUDAGuard guard(ref.device());
   Tensor out = at::empty({n, h}, ref.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({n, h / 128}, ref.options().dtype(at::kFloat));
@@ -388,10 +394,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
   TORCH_CHECK(num_groups >= 0, "num_groups: expected a non-negative count, got ", num_groups);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && (packed.size(0) <= 1 || packed.stride(0) % 4 == 0),
-              "packed: rows must be 4-byte aligned");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(scales.data_ptr()) % 4 == 0 && (scales.size(0) <= 1 || scales.stride(0) % 4 == 0),
-              "scales: rows must be 4-byte aligned");
+  check_word_rows(packed.data_ptr(), packed.stride(0), packed.size(0), "packed");
+  check_word_rows(scales.data_ptr(), scales.stride(0), scales.size(0), "scales");
   const c10::cuda::CUDAGuard guard(packed.device());
   moe_fp4::Mxfp4ToFp8ColsParams p{};
   p.segments = segments_of(split_lens, split_offsets, packed);
@@ -497,8 +501,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_fp8_tiles(const Tensor& w, bool tran
 // packed uint8 [N, H/2], scales uint8 [N, H/32] -> bfloat16 [N, H].
 Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   check_packed_scales(packed, scales);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(packed.data_ptr()) % 4 == 0 && (packed.size(0) <= 1 || packed.stride(0) % 4 == 0),
-              "packed: rows must be 4-byte aligned");
+  check_word_rows(packed.data_ptr(), packed.stride(0), packed.size(0), "packed");
   const c10::cuda::CUDAGuard guard(packed.device());
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   Tensor out = at::empty({n, h}, packed.options().dtype(at::kBFloat16));
@@ -525,8 +528,7 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
                                 const Tensor& out_scales, const c10::optional<Tensor>& copy_to,
                                 const c10::optional<Tensor>& copy_rows) {
   check_mxfp4_byte_rows(rows, hidden);
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
-              "rows: rows must be 4-byte aligned");
+  check_word_rows(rows.data_ptr(), rows.stride(0), rows.size(0), "rows");
   check_slot_table(slots, rows, rows.size(0), "slots");
   check_fp8_rows_output(out, out_scales, rows, hidden, "out", "out_scales");
   TORCH_CHECK(!copy_rows.has_value() || copy_to.has_value(), "copy_rows: needs copy_to");
@@ -545,8 +547,7 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
       TORCH_CHECK(cr.dim() == 1 && cr.size(0) == rows.size(0) && cr.is_contiguous(),
                   "copy_rows: expected a contiguous [", rows.size(0), "] tensor, got ", cr.sizes());
     }
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(c.data_ptr()) % 4 == 0 && (c.size(0) <= 1 || c.stride(0) % 4 == 0),
-                "copy_to: rows must be 4-byte aligned");
+    check_word_rows(c.data_ptr(), c.stride(0), c.size(0), "copy_to");
   }
   const int64_t num_rows = out.size(0);
   if (rows.size(0) == 0 || (num_rows == 0 && !copy_to.has_value())) return;
@@ -614,8 +615,7 @@ std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden)
   TORCH_CHECK(rows.size(1) == hidden / 2 + hidden / 16 + 4, "rows: expected ", hidden / 2 + hidden / 16 + 4,
               " bytes per row for hidden ", hidden, ", got ", rows.size(1));
   TORCH_CHECK(rows.size(0) == 0 || rows.stride(1) == 1, "rows: expected a contiguous last dimension");
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(rows.data_ptr()) % 4 == 0 && (rows.size(0) <= 1 || rows.stride(0) % 4 == 0),
-              "rows: rows must be 4-byte aligned");
+  check_word_rows(rows.data_ptr(), rows.stride(0), rows.size(0), "rows");
   const c10::cuda::CUDAGuard guard(rows.device());
   Tensor out = at::empty({rows.size(0), hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({rows.size(0), hidden / 128}, rows.options().dtype(at::kFloat));
