@@ -217,6 +217,28 @@ def test_rows_to_fp8_cols_per_expert():
         F.mxfp4_rows_to_fp8_cols(packed, scales, torch.tensor([n + 1]))
 
 
+
+def test_fp8_column_scale_depends_on_the_binade_only():
+    """The column kernels' byte keys: a column whose largest element is E2M1 code c in a row of scale
+    byte S gets the FP8 scale byte max(S + b(c) - 10, 0), b(c) = floor(log2 |E2M1(c)|) + 2, for every
+    finite S and nonzero code (both mantissas of a binade alike), and 0xFF once S + b(c) reaches 257.
+    One expert per row, so each row's column 0 is a group's largest element."""
+    binade = [None, 1, 2, 2, 3, 3, 4, 4]
+    pairs = [(s, c) for s in range(255) for c in range(1, 8)]
+    n = len(pairs)
+    packed = torch.zeros(n, 16, dtype=torch.uint8)
+    scales = torch.zeros(n, 1, dtype=torch.uint8)
+    for r, (s, c) in enumerate(pairs):  # column 0: code c with a random sign; the others: codes up to c
+        codes = torch.randint(0, c + 1, (32,), dtype=torch.uint8)
+        codes[0] = c | (int(torch.randint(0, 2, ())) << 3)
+        packed[r] = codes[0::2] | (codes[1::2] << 4)
+        scales[r, 0] = s
+    _, col_scales, _ = F.mxfp4_rows_to_fp8_cols(packed, scales, torch.ones(n, dtype=torch.int64))
+    got = torch.tensor([255 if math.isnan(v) else 127 + round(math.log2(v)) for v in col_scales[0].tolist()])
+    want = torch.tensor([255 if s + binade[c] >= 257 else max(s + binade[c] - 10, 0) for s, c in pairs])
+    assert torch.equal(got, want)
+
+
 # ------------------------------------------------------------------------------------ ragged and swizzle
 
 

@@ -473,6 +473,41 @@ def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
         _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
 
 
+def test_mxfp4_rows_to_fp8_cols_two_pass_rows_past_the_segments():
+    """Two-pass path, back-to-back segments covering fewer than all rows: the rows past them are zero
+    in the output. The workspace is uninitialised memory (the prepare kernel marks those rows); the
+    first call, of the same workspace size, leaves group 31 in the rows the second call must zero."""
+    t, h = 4096, 2048
+    packed, scales = _mxfp4_input(t, h)
+    native = ops.build()
+    for lens in (torch.tensor([t], device="cuda"), torch.tensor([31 * 128 + 1], device="cuda")):
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
+        assert want[1].shape[1] == 32
+        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, 32, True)
+        _equal(got, want, ("data", "scales", "group_offsets"))
+        del got
+
+
+@pytest.mark.parametrize("low", [0, 240, 248])
+@pytest.mark.parametrize("t,h", [(4096, 7168), (1000, 2048), (4099, 384)])
+def test_mxfp4_rows_to_fp8_cols_top_scale_bytes(t, h, low):
+    """Scale bytes drawn from [low, 255]: the two-pass path's byte keys hold S + 4 in a byte only up to
+    S = 251, and columns that met 252..254 take the exact fallback (low 248: most lanes, no NaN; the
+    others: NaN blocks too). Both paths, ragged splits with and without gaps."""
+    packed = torch.randint(0, 256, (t, h // 2), dtype=torch.uint8, device="cuda")
+    scales = torch.randint(low, 256, (t, h // 32), dtype=torch.uint8, device="cuda")
+    if low == 248:
+        scales[scales == 0xFF] = 251
+    native = ops.build()
+    for experts, gaps in ((8, False), (32, True)):
+        lens, offs = _splits(t, experts, gaps)
+        groups, _, _ = _ops.column_plan(lens, offs, t)
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+        for two_pass in (False, True):
+            got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
+            _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
+
+
 @pytest.mark.parametrize("h", [7168, 2048, 384])
 def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     """Segments back to back from row 0 with lengths that are multiples of 128 (column_plan's

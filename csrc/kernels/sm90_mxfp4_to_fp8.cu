@@ -149,6 +149,13 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
 constexpr int kTileRows = kFp8Group;     // tokens per tile: one FP8 scale group
 
 
+// Programmatic dependent launch: the two-pass path's kernels start while the previous one finishes.
+// A kernel launched with launch_dependent waits in grid_wait() until the previous kernel has
+// completed and its writes are visible (without the attribute both are no-ops); grid_launch_next()
+// lets the next kernel's CTAs be scheduled once every CTA of this one has issued it.
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void grid_launch_next() { asm volatile("griddepcontrol.launch_dependents;" :::); }
+
 // One segment-group prefix pass (a single block): group offsets (output), first row of each segment,
 // the rows they cover in all, and for every scale group its first row and row count.
 __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp8ColsParams p) {
@@ -156,6 +163,7 @@ __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp
   __shared__ long long carry_groups, carry_rows;
   const Segments& seg = p.segments;
   const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+  grid_launch_next();  // the scale kernel's CTAs wait for this one's group rows
   if (threadIdx.x == 0) carry_groups = carry_rows = 0;
   __syncthreads();
   for (int start = 0; start < seg.num; start += 1024) {
@@ -202,6 +210,13 @@ __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp
   if (threadIdx.x == 0) {
     p.group_offsets[seg.num] = carry_groups;
     p.workspace[seg.num] = carry_rows;  // back-to-back segments cover rows [0, this)
+  }
+  // Two-pass path with back-to-back segments: every row below carry_rows is in a group (the scale
+  // kernel writes its group); the rest of the padded windows are outside every segment. With offsets
+  // the launcher clears the whole array first.
+  if (p.row_groups != nullptr && seg.offsets == nullptr) {
+    const long long padded = (p.rows + kTileRows - 1) / kTileRows * kTileRows;
+    for (long long r = carry_rows + threadIdx.x; r < padded; r += blockDim.x) p.row_groups[r] = -1;
   }
 }
 
@@ -305,84 +320,137 @@ __device__ __forceinline__ void add_row_keys(uint32_t sel, uint32_t s, uint32_t&
 // ---- First pass of the two-pass path: scales and records, row-major. ----
 // One CTA per (scale group, 256 hidden columns). Warp w reads rows w, w + 8, ... of the group, each as
 // one coalesced 128-byte load (4 packed bytes, 8 columns per lane) plus the row's scale byte of the
-// lane's MX block, and keeps the column maxima of its rows as 16-bit keys 4 S + k(c) (step 1 above);
-// the 8 warps' maxima meet in shared memory, and warp 0 writes the FP32 scales and the 16-byte
-// records of its lanes' 8 columns (per column the byte the second pass converts with, an all-zero
-// column taking the largest finite byte of the 8, or 5 when there is none, never 0xFF; then their
-// minimum and maximum) and, for the first 256 columns, each row's group. The group's first row and
-// row count come from the prepare kernel's group_rows.
+// lane's MX block, and keeps the column maxima of its rows as byte keys (below); the 8 warps' maxima
+// meet in shared memory, and warp 0 writes the FP32 scales and the 16-byte records of its lanes' 8
+// columns (per column the byte the second pass converts with, an all-zero column taking the largest
+// finite byte of the 8, or 5 when there is none, never 0xFF; then their minimum and maximum) and, for
+// the first 256 columns, each row's group. The group's first row and row count come from the prepare
+// kernel's group_rows.
+//
+// Byte keys: a column's FP8 scale byte depends only on the binade of its largest magnitude, so this
+// pass keys an element of E2M1 code c in a row of scale byte S as S + b(c), b(c) = floor(log2 |E2M1|)
+// + 2 (1..4, and code 0 keys 0 whatever S); a column whose largest key is K > 0 takes the scale byte
+// max(K - 10, 0) (the spec's rounding up for every S and code, checked by the tests). A row's key
+// table is two multiply-adds, a word's 8 keys two byte permutes, and the maxima run on the keys' byte
+// pairs as 16-bit lanes (only the high byte of a lane is a column's key; the low byte can only break
+// ties). Exact while S + 4 fits a byte: a lane that met a row of scale byte 252..254 rebuilds its
+// columns' maxima from the group's rows as 16-bit keys (add_row_keys), which cover every byte.
+// H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (the 16-bit keys of
+// add_row_keys in the loop), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
+// an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) took 206.4.
 constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
 constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
+constexpr uint32_t kBinLo = 0x02020100u, kBinHi = 0x04040303u;  // b(c) for codes 0..3 and 4..7
+constexpr uint32_t kByteKeyMaxScale = 251u;                       // S + 4 <= 255
 
-__global__ void __launch_bounds__(kThreads) sm90_cols_scales_kernel(const Mxfp4ToFp8ColsParams p) {
+// One row's byte keys of the 8 columns of a packed word with magnitude codes sel, folded into k:
+// columns 0, 2 in the high bytes of k[0]'s lanes, 1, 3 in k[1], 4, 6 in k[2], 5, 7 in k[3].
+__device__ __forceinline__ void add_row_byte_keys(uint32_t sel, uint32_t s, uint32_t (&k)[4]) {
+  const uint32_t t_lo = s * 0x01010100u + kBinLo, t_hi = s * 0x01010101u + kBinHi;
+  const uint32_t k03 = __byte_perm(t_lo, t_hi, sel), k47 = __byte_perm(t_lo, t_hi, sel >> 16);
+  k[0] = max_u16x2(k[0], k03 << 8);
+  k[1] = max_u16x2(k[1], k03);
+  k[2] = max_u16x2(k[2], k47 << 8);
+  k[3] = max_u16x2(k[3], k47);
+}
+__device__ __forceinline__ uint32_t byte_key_of(const uint32_t (&k)[4], int j) {  // column j's key
+  return (k[2 * (j >> 2) + (j & 1)] >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
+}
+
+__global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxfp4ToFp8ColsParams p) {
   __shared__ uint4 s_max[kColWarps - 1][32];  // warps 1..7: column keys of each lane
-  __shared__ uint32_t s_nan[kColWarps - 1];   // warps 1..7: a NaN scale byte seen, per MX block (bit)
+  __shared__ uint32_t s_nan[kColWarps - 1];   // warps 1..7: a NaN scale byte seen, per lane (bit)
+  __shared__ uint32_t s_big[kColWarps - 1];   // warps 1..7: a scale byte above kByteKeyMaxScale, per lane
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = (p.hidden + kScaleCols - 1) / kScaleCols;
   const long long g = blockIdx.x / chunks;
   const int ch = static_cast<int>(blockIdx.x - g * chunks);
+  grid_launch_next();  // the window kernel's CTAs load their rows, then wait for this kernel's end
+  grid_wait();         // the prepare kernel's group rows
   const long long row0 = p.group_rows[2 * g];
   const int cnt = static_cast<int>(p.group_rows[2 * g + 1]);
   const int col0 = ch * kScaleCols + 8 * lane;  // this lane's 8 columns
   const bool active = col0 < p.hidden;
-  uint32_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
-  bool nan = false;
+  const uint8_t* prow = p.packed + row0 * p.packed_stride + col0 / 2;
+  const uint8_t* srow = p.scales + row0 * p.scales_stride + col0 / kMxBlock;
+  uint32_t k[4] = {0u, 0u, 0u, 0u};
+  bool nan = false, big = false;
   if (active) {
-    const uint8_t* prow = p.packed + row0 * p.packed_stride + col0 / 2;
-    const uint8_t* srow = p.scales + row0 * p.scales_stride + col0 / kMxBlock;
     uint32_t wv[kScaleRowsPerWarp], sv[kScaleRowsPerWarp];
 #pragma unroll
-    for (int k = 0; k < kScaleRowsPerWarp; ++k) {
-      const int r = warp + kColWarps * k;
-      wv[k] = sv[k] = 0u;
+    for (int i = 0; i < kScaleRowsPerWarp; ++i) {
+      const int r = warp + kColWarps * i;
+      wv[i] = sv[i] = 0u;
       if (r < cnt) {
-        wv[k] = __ldg(reinterpret_cast<const uint32_t*>(prow + static_cast<long long>(r) * p.packed_stride));
-        sv[k] = __ldg(srow + static_cast<long long>(r) * p.scales_stride);
+        wv[i] = __ldg(reinterpret_cast<const uint32_t*>(prow + static_cast<long long>(r) * p.packed_stride));
+        sv[i] = __ldg(srow + static_cast<long long>(r) * p.scales_stride);
       }
     }
 #pragma unroll
-    for (int k = 0; k < kScaleRowsPerWarp; ++k) {
-      const uint32_t sel = wv[k] & 0x77777777u;
-      nan |= sv[k] == kUe8m0Nan;
-      add_row_keys(sel, sv[k], m0, m1, m2, m3);  // rows past cnt: all-zero codes, keys below 0
+    for (int i = 0; i < kScaleRowsPerWarp; ++i) {
+      nan |= sv[i] == kUe8m0Nan;
+      big |= sv[i] > kByteKeyMaxScale;                  // NaN rows too: their block is NaN anyway
+      add_row_byte_keys(wv[i] & 0x77777777u, sv[i], k);  // rows past cnt: all-zero codes, keys 0
     }
   }
+  const uint32_t nan_bits_w = __ballot_sync(0xFFFFFFFFu, nan), big_bits_w = __ballot_sync(0xFFFFFFFFu, big);
   if (warp > 0) {
-    s_max[warp - 1][lane] = make_uint4(m0, m1, m2, m3);
-    const uint32_t bits = __ballot_sync(0xFFFFFFFFu, nan);
-    if (lane == 0) s_nan[warp - 1] = bits;
+    s_max[warp - 1][lane] = make_uint4(k[0], k[1], k[2], k[3]);
+    if (lane == 0) {
+      s_nan[warp - 1] = nan_bits_w;
+      s_big[warp - 1] = big_bits_w;
+    }
   }
   if (ch == 0) {  // each row's group (the array was set to -1 first)
     for (int r = threadIdx.x; r < cnt; r += kThreads) p.row_groups[row0 + r] = static_cast<int>(g);
   }
   __syncthreads();
   if (warp != 0) return;
-  uint32_t nan_bits = __ballot_sync(0xFFFFFFFFu, nan);
+  uint32_t nan_bits = nan_bits_w, big_bits = big_bits_w;
 #pragma unroll
   for (int w = 0; w < kColWarps - 1; ++w) {
     const uint4 v = s_max[w][lane];
-    m0 = max_s16x2(m0, v.x);
-    m1 = max_s16x2(m1, v.y);
-    m2 = max_s16x2(m2, v.z);
-    m3 = max_s16x2(m3, v.w);
+    k[0] = max_u16x2(k[0], v.x);
+    k[1] = max_u16x2(k[1], v.y);
+    k[2] = max_u16x2(k[2], v.z);
+    k[3] = max_u16x2(k[3], v.w);
     nan_bits |= s_nan[w];
+    big_bits |= s_big[w];
   }
   if (!active) return;
   // Every row of the group with scale 0xFF in this MX block (4 lanes) makes the whole block NaN.
   const bool nan_block = ((nan_bits >> (lane & ~3)) & 0xFu) != 0u;
-  const uint32_t mm[4] = {m0, m1, m2, m3};
   uint32_t sb[8];
+  if (nan_block) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) sb[j] = kUe8m0Nan;
+  } else if ((big_bits >> lane) & 1u) {  // rare: 16-bit keys over the group's rows again (from the L2)
+    uint32_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+    for (int r = 0; r < cnt; ++r) {
+      const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(prow + static_cast<long long>(r) * p.packed_stride));
+      add_row_keys(w & 0x77777777u, __ldg(srow + static_cast<long long>(r) * p.scales_stride), m0, m1, m2, m3);
+    }
+    const uint32_t mm[4] = {m0, m1, m2, m3};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int key = static_cast<int16_t>(static_cast<uint16_t>(mm[j >> 1] >> (16 * (j & 1))));
+      sb[j] = key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0x100u;  // 0x100: all-zero column
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t key = byte_key_of(k, j);
+      sb[j] = key > 0u ? (key > 10u ? key - 10u : 0u) : 0x100u;
+    }
+  }
   uint32_t fmax = 0u;
   bool fany = false;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    const int key = static_cast<int16_t>(static_cast<uint16_t>(mm[j >> 1] >> (16 * (j & 1))));
-    sb[j] = nan_block ? kUe8m0Nan : key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0u;
-    p.out_scales[static_cast<long long>(col0 + j) * p.num_groups + g] = ue8m0_value(sb[j]);
-    const bool finite = !nan_block && key > 0 && sb[j] != kUe8m0Nan;
+    p.out_scales[static_cast<long long>(col0 + j) * p.num_groups + g] = ue8m0_value(sb[j] & 0xFFu);
+    const bool finite = sb[j] < kUe8m0Nan;
     if (finite) fmax = max(fmax, sb[j]);
     fany |= finite;
-    if (!nan_block && key <= 0) sb[j] = 0x100u;  // all-zero column: takes the fill byte below
   }
   // Record: per column the byte the second pass converts with (an all-zero column takes the largest
   // finite byte of the 8, or 5 when there is none; never 0xFF), then their minimum and maximum.
@@ -781,21 +849,12 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kern
   const long long rec_stride = p.hidden / 8;
   const uint4 outside = make_uint4(0x05050505u, 0x05050505u, 0x0505u, 0u);  // rows outside: zero codes
   auto record = [&](int g) { return (g >= 0 && active) ? __ldg(records + g * rec_stride + c8 / 8) : outside; };
-  int grp[16];
-  {
-    const int4* gp = reinterpret_cast<const int4*>(p.row_groups + row0 + rbase);  // padded to whole windows
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int4 g4 = gp[k];
-      grp[4 * k] = g4.x, grp[4 * k + 1] = g4.y, grp[4 * k + 2] = g4.z, grp[4 * k + 3] = g4.w;
-    }
-  }
   uint32_t wd[16], sv[16];
   {
     const uint8_t* prow = p.packed + (row0 + rbase) * p.packed_stride + c8 / 2;
     const uint8_t* srow = p.scales + (row0 + rbase) * p.scales_stride + c8 / kMxBlock;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {  // rows below N exist (their group is read meanwhile)
+    for (int i = 0; i < 16; ++i) {  // rows below N exist
       wd[i] = sv[i] = 0u;
       if (active && rbase + i < cnt) {
         const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
@@ -807,6 +866,16 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kern
         }
         sv[i] = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
       }
+    }
+  }
+  grid_wait();  // the rows are in flight; the groups and records come from the scale kernel
+  int grp[16];
+  {
+    const int4* gp = reinterpret_cast<const int4*>(p.row_groups + row0 + rbase);  // padded to whole windows
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int4 g4 = gp[k];
+      grp[4 * k] = g4.x, grp[4 * k + 1] = g4.y, grp[4 * k + 2] = g4.z, grp[4 * k + 3] = g4.w;
     }
   }
   // Rows of the groups of the warp's first and last rows take those two records (the common case,
@@ -894,18 +963,42 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
   return cudaGetLastError();
 }
 
+// A kernel of the two-pass path, launched as a programmatic dependent of the previous kernel.
+template <typename Kernel>
+cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
   const bool two_pass = p.col_records != nullptr && p.row_groups != nullptr;
-  // The group offsets of an empty input, and the groups' rows for the two-pass path (the one-pass
-  // kernel finds its group itself).
-  if (two_pass || p.rows <= 0 || p.hidden <= 0) sm90_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
-  if (p.rows <= 0 || p.hidden <= 0) return cudaGetLastError();
+  const bool empty = p.rows <= 0 || p.hidden <= 0;
   // Row numbers, group and CTA indices are 32-bit in the kernels.
   const long long chunks = (p.hidden + kTileCols - 1) / kTileCols;
   const long long windows = (p.rows + kTileRows - 1) / kTileRows;
-  if (p.rows >= (1LL << 31) || p.num_groups * chunks >= (1LL << 31) || windows * chunks >= (1LL << 31)) {
+  if (!empty && (p.rows >= (1LL << 31) || p.num_groups * chunks >= (1LL << 31) || windows * chunks >= (1LL << 31))) {
     return cudaErrorInvalidValue;
   }
+  // Two-pass path with offsets: every row's group starts at -1 (outside every segment); without
+  // offsets the prepare kernel marks the rows past the segments.
+  if (two_pass && !empty && p.segments.offsets != nullptr) {
+    const cudaError_t err =
+        cudaMemsetAsync(p.row_groups, 0xFF, static_cast<size_t>(windows * kTileRows) * sizeof(int), stream);
+    if (err != cudaSuccess) return err;
+  }
+  // The group offsets of an empty input, and the groups' rows for the two-pass path (the one-pass
+  // kernel finds its group itself).
+  if (two_pass || empty) sm90_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
+  if (empty) return cudaGetLastError();
   if (!two_pass) {
     long long blocks = p.num_groups * chunks;
     // Rows outside every segment are zeroed by a grid-stride loop over warps after the tiles.
@@ -920,16 +1013,19 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     else launch(sm90_cols_tile_kernel<false>);
     return cudaGetLastError();
   }
-  // Pass 1: every row's group (-1 by default) and the groups' scales and records; pass 2: the output.
-  cudaError_t err = cudaMemsetAsync(p.row_groups, 0xFF, static_cast<size_t>(windows * kTileRows) * sizeof(int), stream);
+  // Pass 1: every row's group and the groups' scales and records; pass 2: the output. Each starts
+  // while the previous kernel ends (programmatic dependent launch).
+  cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const long long scale_blocks = p.num_groups * ((p.hidden + kScaleCols - 1) / kScaleCols);
-  if (scale_blocks > 0) sm90_cols_scales_kernel<<<static_cast<unsigned>(scale_blocks), kThreads, 0, stream>>>(p);
+  if (scale_blocks > 0) {
+    err = launch_dependent(sm90_cols_scales_kernel, static_cast<unsigned>(scale_blocks), p, stream);
+    if (err != cudaSuccess) return err;
+  }
   const unsigned window_blocks = static_cast<unsigned>(windows * chunks);
   const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
-  if (vec4) sm90_cols_window_kernel<true><<<window_blocks, kThreads, 0, stream>>>(p);
-  else sm90_cols_window_kernel<false><<<window_blocks, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  return vec4 ? launch_dependent(sm90_cols_window_kernel<true>, window_blocks, p, stream)
+              : launch_dependent(sm90_cols_window_kernel<false>, window_blocks, p, stream);
 }
 
 }  // namespace moe_fp4

@@ -70,6 +70,10 @@ def run(device: str = "cuda") -> bool:
         bad[0, 0], bad[1, 1], bad[2, :] = 0xFF, 254, 0
         ok &= _same(f"dequantize_mxfp4 h={h}", ops.dequantize_mxfp4(p, bad),
                     formats.dequantize_mxfp4(p, bad, dtype=torch.bfloat16))
+        bad[3, 2] = 252  # the two-pass scale kernel's exact fallback for the top scale bytes
+        want = formats.mxfp4_rows_to_fp8_cols(p, bad, lens)
+        for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, bad, lens), want, ("data", "scales", "goffs")):
+            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} top scale bytes {what}", got, w)
         q, qs = ops.quantize_fp8_blockwise(x)
         qr, qsr = formats.quantize_fp8_blockwise(x, block=(1, 128))
         ok &= _same(f"quantize_fp8_blockwise h={h}", q, qr) & _same("  scales", qs, qsr)
