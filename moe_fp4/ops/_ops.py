@@ -235,8 +235,8 @@ def column_plan(
     converts them: fast when every segment (hence every group) starts on a 32-row boundary, so that
     each 32-byte sector of the [H, N] output belongs to one group. A segment starting anywhere else
     leaves sectors shared by two groups, each written partially (a DRAM read per partial sector);
-    then the two-pass kernel (scales first, then whole aligned sectors) is the faster one (H200,
-    2026-11-24: 206 vs 275 us for 32 ragged experts at N = 32768, H = 7168; 203 vs 146 us for equal
+    then the two-pass kernels (scales first, then whole aligned sectors) are the faster ones (H200,
+    2026-11-24: 188 vs 298 us for 32 ragged experts at N = 32768, H = 7168; 185 vs 146 us for equal
     ones).
 
     full_groups: the segments lie back to back from row 0 and every length is a multiple of 128, so
