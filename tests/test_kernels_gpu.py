@@ -488,6 +488,30 @@ def test_mxfp4_rows_to_fp8_cols_two_pass_rows_past_the_segments():
         del got
 
 
+def test_mxfp4_rows_to_fp8_cols_two_pass_in_a_cuda_graph():
+    """The two-pass path's kernels start as programmatic dependents of the previous one: captured in a
+    CUDA graph and replayed on new inputs in the same buffers, they still give the spec's bits (the
+    native call takes the group count, so nothing reads the splits on the host)."""
+    t, h = 4099, 2048
+    packed, scales = _mxfp4_input(t, h)
+    lens, offs = _small_expert_splits(t, False)
+    groups, two_pass, _ = _ops.column_plan(lens, offs, t)
+    assert two_pass
+    native = ops.build()
+    native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, True)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, True)
+    for _ in range(2):
+        fresh_p, fresh_s = _mxfp4_input(t, h)
+        packed.copy_(fresh_p)
+        scales.copy_(fresh_s)
+        graph.replay()
+        torch.cuda.synchronize()
+        _equal(got, formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs), ("data", "scales", "group_offsets"))
+
+
 @pytest.mark.parametrize("low", [0, 240, 248])
 @pytest.mark.parametrize("t,h", [(4096, 7168), (1000, 2048), (4099, 384)])
 def test_mxfp4_rows_to_fp8_cols_top_scale_bytes(t, h, low):

@@ -222,11 +222,18 @@ __global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp
 
 // ---- Shared pieces of the column kernels ----
 // No float arithmetic per element:
-//   1. column maxima as 16-bit keys, 4 S + k(c) with S the row's scale byte and k(c) = 4 (ev + 2) +
-//      2 mh + 1 for the E2M1 magnitude (1 + mh / 2) 2^ev (a monotone image of the value; code 0 maps
-//      to a negative key);
-//   2. a column's maximum decodes to its exact float32, which gives the FP8 scale byte sb
-//      (e4m3_scale_byte, as for any FP8 1x128 group);
+//   1. column maxima as byte keys: a column's FP8 scale byte depends only on the binade of its
+//      largest magnitude, so an element of E2M1 code c in a row of scale byte S keys as S + b(c),
+//      b(c) = floor(log2 |E2M1|) + 2 (1..4; code 0 keys 0 whatever S). A row's key table is two
+//      multiply-adds, a word's 8 keys two byte permutes, and the maxima run on the keys' byte pairs
+//      as 16-bit lanes (only the high byte of a lane is a column's key; the low byte can only break
+//      ties). Exact while S + 4 fits a byte: the columns of a lane that met a scale byte 252..254
+//      take exact 16-bit keys 4 S + k(c) instead, k(c) = 4 (ev + 2) + 2 mh + 1 for the E2M1
+//      magnitude (1 + mh / 2) 2^ev (a monotone image of the value; code 0 maps to a negative key),
+//      rebuilt from the group's rows;
+//   2. a column whose largest byte key is K > 0 takes the FP8 scale byte max(K - 10, 0) (the spec's
+//      rounding up for every S and code, checked by the tests); an exact key decodes to its float32,
+//      which gives the scale byte through e4m3_scale_byte, as for any FP8 1x128 group;
 //   3. the E4M3 byte of E2M1 code c in a row of scale S is base(c) + 8 (S - sb) whenever that lands
 //      in E4M3's normal range (every S - sb in [-5, 10] for the rows and columns of a lane, the
 //      common case): computed for four columns at once with a byte permute, one subtract and one
@@ -317,29 +324,6 @@ __device__ __forceinline__ void add_row_keys(uint32_t sel, uint32_t s, uint32_t&
   m3 = max_s16x2(m3, __byte_perm(lo1, hi1, 0x7362) + s4);
 }
 
-// ---- First pass of the two-pass path: scales and records, row-major. ----
-// One CTA per (scale group, 256 hidden columns). Warp w reads rows w, w + 8, ... of the group, each as
-// one coalesced 128-byte load (4 packed bytes, 8 columns per lane) plus the row's scale byte of the
-// lane's MX block, and keeps the column maxima of its rows as byte keys (below); the 8 warps' maxima
-// meet in shared memory, and warp 0 writes the FP32 scales and the 16-byte records of its lanes' 8
-// columns (per column the byte the second pass converts with, an all-zero column taking the largest
-// finite byte of the 8, or 5 when there is none, never 0xFF; then their minimum and maximum) and, for
-// the first 256 columns, each row's group. The group's first row and row count come from the prepare
-// kernel's group_rows.
-//
-// Byte keys: a column's FP8 scale byte depends only on the binade of its largest magnitude, so this
-// pass keys an element of E2M1 code c in a row of scale byte S as S + b(c), b(c) = floor(log2 |E2M1|)
-// + 2 (1..4, and code 0 keys 0 whatever S); a column whose largest key is K > 0 takes the scale byte
-// max(K - 10, 0) (the spec's rounding up for every S and code, checked by the tests). A row's key
-// table is two multiply-adds, a word's 8 keys two byte permutes, and the maxima run on the keys' byte
-// pairs as 16-bit lanes (only the high byte of a lane is a column's key; the low byte can only break
-// ties). Exact while S + 4 fits a byte: a lane that met a row of scale byte 252..254 rebuilds its
-// columns' maxima from the group's rows as 16-bit keys (add_row_keys), which cover every byte.
-// H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (the 16-bit keys of
-// add_row_keys in the loop), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
-// an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) took 206.4.
-constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
-constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
 constexpr uint32_t kBinLo = 0x02020100u, kBinHi = 0x04040303u;  // b(c) for codes 0..3 and 4..7
 constexpr uint32_t kByteKeyMaxScale = 251u;                       // S + 4 <= 255
 
@@ -356,6 +340,21 @@ __device__ __forceinline__ void add_row_byte_keys(uint32_t sel, uint32_t s, uint
 __device__ __forceinline__ uint32_t byte_key_of(const uint32_t (&k)[4], int j) {  // column j's key
   return (k[2 * (j >> 2) + (j & 1)] >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
 }
+
+// ---- First pass of the two-pass path: scales and records, row-major. ----
+// One CTA per (scale group, 256 hidden columns). Warp w reads rows w, w + 8, ... of the group, each as
+// one coalesced 128-byte load (4 packed bytes, 8 columns per lane) plus the row's scale byte of the
+// lane's MX block, and keeps the column maxima of its rows as byte keys (step 1 above; the rare lanes
+// of exact keys use add_row_keys); the 8 warps' maxima meet in shared memory, and warp 0 writes the
+// FP32 scales and the 16-byte records of its lanes' 8 columns (per column the byte the second pass
+// converts with, an all-zero column taking the largest finite byte of the 8, or 5 when there is none,
+// never 0xFF; then their minimum and maximum) and, for the first 256 columns, each row's group. The
+// group's first row and row count come from the prepare kernel's group_rows.
+// H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (the 16-bit keys of
+// add_row_keys in the loop), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
+// an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) took 206.4.
+constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
+constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
 
 __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxfp4ToFp8ColsParams p) {
   __shared__ uint4 s_max[kColWarps - 1][32];  // warps 1..7: column keys of each lane
@@ -467,19 +466,22 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
 }
 
 // ---- FP4RowToFP8Col as CTA tiles: one CTA per (scale group, 256 hidden columns). ----
-// Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a
-// time). Warp w loads rows 16 w .. 16 w + 15 of the group as coalesced 128-byte row pieces (lane l:
-// the 4 packed bytes of hidden columns 8 l .. 8 l + 7, all in one MX block, and that block's scale
-// byte); no staging. 1. Column maxima of the lane's 16 rows as 16-bit keys (step 1 above), met in
-// shared memory; 2. thread t takes column t's maximum over the 8 warps, its FP8
-// scale byte (written as the FP32 scale) and whether the column is all zero; 3. each lane converts
-// its 16 rows x 8 columns (the byte formula base(c) + 8 (S - sb) when every shift of the lane is in
-// E4M3's normal range, else the per-element table), transposes them 4x4 in registers and stores 16
-// bytes per column into a [256 column][128 row] E4M3 tile in shared memory (16-byte slots XOR-
-// swizzled by column); 4. the CTA writes the tile's columns to the column-major output: whole
-// aligned 16-byte stores (a group starting on a 16-byte boundary: 4 full lines per warp instruction
-// with 128 rows), else 16-byte pieces aligned in global memory, shifted out of the tile, with byte
-// stores only at the group's two ends (the bytes around belong to the neighbouring groups).
+// Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a time).
+// Warp w loads rows 16 w .. 16 w + 15 of the group as coalesced 128-byte row pieces (lane l: the 4
+// packed bytes of hidden columns 8 l .. 8 l + 7, all in one MX block, and that block's scale byte); no
+// staging. Then:
+//   1. column maxima of the lane's 16 rows as byte keys (step 1 above), met in shared memory (H200, 32
+//      equal experts at 32768 x 7168: 140.1 against 145.5 us with 16-bit keys);
+//   2. thread t takes column t's maximum over the 8 warps, its FP8 scale byte (written as the FP32
+//      scale) and whether the column is all zero;
+//   3. each lane converts its 16 rows x 8 columns (the byte formula base(c) + 8 (S - sb) when every
+//      shift of the lane is in E4M3's normal range, else the per-element table), transposes them 4x4
+//      in registers and stores 16 bytes per column into a [256 column][128 row] E4M3 tile in shared
+//      memory (16-byte slots XOR-swizzled by column);
+//   4. the CTA writes the tile's columns to the column-major output: whole aligned 16-byte stores (a
+//      group starting on a 16-byte boundary: 4 full lines per warp instruction with 128 rows), else
+//      16-byte pieces aligned in global memory, shifted out of the tile, with byte stores only at the
+//      group's two ends (the bytes around belong to the neighbouring groups).
 constexpr int kTileCols = 256;                              // hidden columns per CTA: 8 per lane
 constexpr int kTileBytes = kTileCols * kTileRows;           // the E4M3 tile
 constexpr int kTileKeys = kTileBytes;                       // [8 warps][32 lanes] uint4 column keys
@@ -601,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   const Segments& seg = p.segments;
   __shared__ long long s_covered;
   __shared__ int s_row0, s_cnt;
-  __shared__ uint32_t s_nan[kColWarps];
+  __shared__ uint32_t s_nan[kColWarps], s_big[kColWarps];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = (p.hidden + kTileCols - 1) / kTileCols;
   // Column raster: consecutive CTAs take consecutive groups of one 256-column chunk, so that the CTAs
@@ -693,39 +695,63 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   const int row0 = s_row0, cnt = s_cnt;
   if (cnt > 0) {  // CTA-uniform
     if (!(early && row0 == early_row0 && cnt == kTileRows)) load_rows(row0, cnt);
-    // 1. Column keys of the lane's rows; the scale range of its rows with a nonzero code.
-    uint32_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+    // 1. Column keys of the lane's rows (byte keys, as the scale pass); the scale range of its rows
+    // with a nonzero code.
+    uint32_t k[4] = {0u, 0u, 0u, 0u};
     int smin = 255, smax = 0;
-    bool nan = false;
+    bool nan = false, big = false;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const uint32_t s = sv[i], sel = wd[i] & 0x77777777u;
       nan |= s == kUe8m0Nan;
+      big |= s > kByteKeyMaxScale;
       if (sel != 0u) {
         smin = min(smin, static_cast<int>(s));
         smax = max(smax, static_cast<int>(s));
       }
-      add_row_keys(sel, s, m0, m1, m2, m3);
+      add_row_byte_keys(sel, s, k);
     }
-    keys[warp * 32 + lane] = make_uint4(m0, m1, m2, m3);
-    const uint32_t nan_bits = __ballot_sync(0xFFFFFFFFu, nan);
-    if (lane == 0) s_nan[warp] = nan_bits;
+    keys[warp * 32 + lane] = make_uint4(k[0], k[1], k[2], k[3]);
+    const uint32_t nan_bits = __ballot_sync(0xFFFFFFFFu, nan), big_bits = __ballot_sync(0xFFFFFFFFu, big);
+    if (lane == 0) {
+      s_nan[warp] = nan_bits;
+      s_big[warp] = big_bits;
+    }
     __syncthreads();
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
-      const uint16_t* k16 = reinterpret_cast<const uint16_t*>(keys) + (tid >> 3) * 8 + (tid & 7);
-      int key = 0;
-      uint32_t nb = 0;
+      const int o = tid >> 3, j = tid & 7, col = ch * kTileCols + tid;
+      const uint32_t* kp = reinterpret_cast<const uint32_t*>(keys) + 4 * o + 2 * (j >> 2) + (j & 1);
+      uint32_t kw = 0u, nb = 0u, bb = 0u;
 #pragma unroll
       for (int w = 0; w < kColWarps; ++w) {
-        key = max(key, static_cast<int>(static_cast<int16_t>(k16[w * 32 * 8])));
+        kw = max_u16x2(kw, kp[w * 32 * 4]);
         nb |= s_nan[w];
+        bb |= s_big[w];
       }
-      const bool nan_block = ((nb >> ((tid >> 3) & ~3)) & 0xFu) != 0u;  // lanes 4k .. 4k+3: MX block k
-      const uint32_t sb = nan_block ? kUe8m0Nan : key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0u;
-      const int col = ch * kTileCols + tid;
+      const bool nan_block = ((nb >> (o & ~3)) & 0xFu) != 0u;  // lanes 4k .. 4k+3: MX block k
+      uint32_t sb = kUe8m0Nan;
+      bool zero = false;
+      if (!nan_block && ((bb >> o) & 1u) != 0u && col < p.hidden) {  // rare: exact keys from the rows
+        const uint8_t* pc = p.packed + static_cast<long long>(row0) * p.packed_stride + col / 2;
+        const uint8_t* sc = p.scales + static_cast<long long>(row0) * p.scales_stride + col / kMxBlock;
+        int key = 0;
+        for (int r = 0; r < cnt; ++r) {
+          const uint32_t c = (pc[static_cast<long long>(r) * p.packed_stride] >> (4 * (col & 1))) & 7u;
+          if (c != 0u) {
+            const int kc = static_cast<int>(__byte_perm(kKeyLo, kKeyHi, c) & 0xFFu);
+            key = max(key, 4 * static_cast<int>(sc[static_cast<long long>(r) * p.scales_stride]) + kc);
+          }
+        }
+        sb = key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0u;
+        zero = key <= 0;
+      } else if (!nan_block) {
+        const uint32_t key = (kw >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
+        sb = key > 10u ? key - 10u : 0u;
+        zero = key == 0u;
+      }
       if (col < p.hidden) p.out_scales[static_cast<long long>(col) * p.num_groups + g] = ue8m0_value(sb);
-      info[tid] = static_cast<uint16_t>(sb | ((!nan_block && key <= 0) ? 0x100u : 0u));
+      info[tid] = static_cast<uint16_t>(sb | (zero ? 0x100u : 0u));
     }
     __syncthreads();
     // 3. Convert the lane's 16 rows x 8 columns; 16 bytes per column into the tile.
