@@ -278,14 +278,9 @@ __device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t b, uint32_t s
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
 }
-__device__ __forceinline__ uint32_t max_s16x2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  asm("max.s16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  return r;
-}
 
-// Key planes: bytes of k(c) (codes 0..7) and the high byte 0xF0 of code 0 (key 0xF000 + 4 S < 0).
-constexpr uint32_t kKeyLo = 0x0B090500u, kKeyHi = 0x13110F0Du, kKeyZeroHigh = 0x000000F0u;
+// Bytes of k(c) for codes 0..7 (code 0's is never used: a zero has no key).
+constexpr uint32_t kKeyLo = 0x0B090500u, kKeyHi = 0x13110F0Du;
 // base(c) - 40 for codes 1..7 (base(c) = E4M3 byte of the code's value times 2^0 minus... see above:
 // ((ev + 7) << 3) | (mh << 2)), and 0x80 for code 0 (its result then has bit 7 set and is cleared).
 constexpr uint32_t kBaseLo = 0x14100880u, kBaseHi = 0x24201C18u;
@@ -309,21 +304,6 @@ __device__ __forceinline__ void transpose4x4(uint32_t r0, uint32_t r1, uint32_t 
   c3 = __byte_perm(t1, t3, 0x7632);
 }
 
-// Step 1 for one row: the keys of the 8 columns of a packed word with magnitude codes sel (the word
-// & 0x77777777) in a row of scale byte s, folded into the maxima (16-bit keys, columns 2j and 2j + 1
-// in mj).
-__device__ __forceinline__ void add_row_keys(uint32_t sel, uint32_t s, uint32_t& m0, uint32_t& m1, uint32_t& m2,
-                                             uint32_t& m3) {
-  const uint32_t s4 = s * 0x00040004u;
-  const uint32_t lo0 = __byte_perm(kKeyLo, kKeyHi, sel), hi0 = __byte_perm(kKeyZeroHigh, 0u, sel);
-  const uint32_t sel_hi = __umulhi(sel, 0x10000u);
-  const uint32_t lo1 = __byte_perm(kKeyLo, kKeyHi, sel_hi), hi1 = __byte_perm(kKeyZeroHigh, 0u, sel_hi);
-  m0 = max_s16x2(m0, __byte_perm(lo0, hi0, 0x5140) + s4);
-  m1 = max_s16x2(m1, __byte_perm(lo0, hi0, 0x7362) + s4);
-  m2 = max_s16x2(m2, __byte_perm(lo1, hi1, 0x5140) + s4);
-  m3 = max_s16x2(m3, __byte_perm(lo1, hi1, 0x7362) + s4);
-}
-
 constexpr uint32_t kBinLo = 0x02020100u, kBinHi = 0x04040303u;  // b(c) for codes 0..3 and 4..7
 constexpr uint32_t kByteKeyMaxScale = 251u;                       // S + 4 <= 255
 
@@ -341,17 +321,49 @@ __device__ __forceinline__ uint32_t byte_key_of(const uint32_t (&k)[4], int j) {
   return (k[2 * (j >> 2) + (j & 1)] >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
 }
 
+// Step 1's exact fallback: the FP8 scale byte of column col over the group's rows [row0, row0 + cnt),
+// from the largest 16-bit key 4 S + k(c) of its nonzero codes (0x100 for an all-zero column). Reads the
+// rows again (from the L2), a byte per row; for lanes that met a scale byte 252..254, outside NaN blocks.
+__device__ __forceinline__ uint32_t exact_column_scale_byte(const Mxfp4ToFp8ColsParams& p, long long row0, int cnt,
+                                                            int col) {
+  const uint8_t* pc = p.packed + row0 * p.packed_stride + col / 2;
+  const uint8_t* sc = p.scales + row0 * p.scales_stride + col / kMxBlock;
+  int key = 0;
+  for (int r = 0; r < cnt; ++r) {
+    const uint32_t c = (pc[static_cast<long long>(r) * p.packed_stride] >> (4 * (col & 1))) & 7u;
+    if (c != 0u) {
+      const int kc = static_cast<int>(__byte_perm(kKeyLo, kKeyHi, c) & 0xFFu);
+      key = max(key, 4 * static_cast<int>(sc[static_cast<long long>(r) * p.scales_stride]) + kc);
+    }
+  }
+  return key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0x100u;
+}
+
+// A lane's row i: its 4 packed bytes (one 4-byte load, or bytes when rows are not 4-byte aligned) and
+// the row's scale byte of the lane's MX block.
+template <bool kVec4>
+__device__ __forceinline__ void load_lane_row(const Mxfp4ToFp8ColsParams& p, const uint8_t* prow, const uint8_t* srow,
+                                              int i, uint32_t& w, uint32_t& s) {
+  const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
+  if constexpr (kVec4) {
+    w = __ldcs(reinterpret_cast<const uint32_t*>(q));
+  } else {
+    w = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) | (static_cast<uint32_t>(q[2]) << 16) |
+        (static_cast<uint32_t>(q[3]) << 24);
+  }
+  s = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
+}
+
 // ---- First pass of the two-pass path: scales and records, row-major. ----
 // One CTA per (scale group, 256 hidden columns). Warp w reads rows w, w + 8, ... of the group, each as
 // one coalesced 128-byte load (4 packed bytes, 8 columns per lane) plus the row's scale byte of the
-// lane's MX block, and keeps the column maxima of its rows as byte keys (step 1 above; the rare lanes
-// of exact keys use add_row_keys); the 8 warps' maxima meet in shared memory, and warp 0 writes the
+// lane's MX block, and keeps the column maxima of its rows as byte keys (step 1 above); the 8 warps' maxima meet in shared memory, and warp 0 writes the
 // FP32 scales and the 16-byte records of its lanes' 8 columns (per column the byte the second pass
 // converts with, an all-zero column taking the largest finite byte of the 8, or 5 when there is none,
 // never 0xFF; then their minimum and maximum) and, for the first 256 columns, each row's group. The
 // group's first row and row count come from the prepare kernel's group_rows.
-// H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (the 16-bit keys of
-// add_row_keys in the loop), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
+// H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (16-bit keys, ten byte
+// permutes per word), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
 // an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) took 206.4.
 constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
 constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
@@ -423,18 +435,8 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
   if (nan_block) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) sb[j] = kUe8m0Nan;
-  } else if ((big_bits >> lane) & 1u) {  // rare: 16-bit keys over the group's rows again (from the L2)
-    uint32_t m0 = 0, m1 = 0, m2 = 0, m3 = 0;
-    for (int r = 0; r < cnt; ++r) {
-      const uint32_t w = __ldg(reinterpret_cast<const uint32_t*>(prow + static_cast<long long>(r) * p.packed_stride));
-      add_row_keys(w & 0x77777777u, __ldg(srow + static_cast<long long>(r) * p.scales_stride), m0, m1, m2, m3);
-    }
-    const uint32_t mm[4] = {m0, m1, m2, m3};
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int key = static_cast<int16_t>(static_cast<uint16_t>(mm[j >> 1] >> (16 * (j & 1))));
-      sb[j] = key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0x100u;  // 0x100: all-zero column
-    }
+  } else if ((big_bits >> lane) & 1u) {  // rare: exact keys from the rows
+    for (int j = 0; j < 8; ++j) sb[j] = exact_column_scale_byte(p, row0, cnt, col0 + j);
   } else {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
@@ -627,16 +629,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
     const uint8_t* prow = p.packed + static_cast<long long>(r0 + rbase) * p.packed_stride + c8 / 2;
     const uint8_t* srow = p.scales + static_cast<long long>(r0 + rbase) * p.scales_stride + c8 / kMxBlock;
     const int nrows = active ? min(16, n - rbase) : 0;
-    auto load_row = [&](int i) {
-      const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
-      if constexpr (kVec4) {
-        wd[i] = __ldcs(reinterpret_cast<const uint32_t*>(q));
-      } else {
-        wd[i] = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
-                (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
-      }
-      sv[i] = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
-    };
+    auto load_row = [&](int i) { load_lane_row<kVec4>(p, prow, srow, i, wd[i], sv[i]); };
     if (nrows == 16) {  // the common case without per-row tests
 #pragma unroll
       for (int i = 0; i < 16; ++i) load_row(i);
@@ -733,18 +726,9 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
       uint32_t sb = kUe8m0Nan;
       bool zero = false;
       if (!nan_block && ((bb >> o) & 1u) != 0u && col < p.hidden) {  // rare: exact keys from the rows
-        const uint8_t* pc = p.packed + static_cast<long long>(row0) * p.packed_stride + col / 2;
-        const uint8_t* sc = p.scales + static_cast<long long>(row0) * p.scales_stride + col / kMxBlock;
-        int key = 0;
-        for (int r = 0; r < cnt; ++r) {
-          const uint32_t c = (pc[static_cast<long long>(r) * p.packed_stride] >> (4 * (col & 1))) & 7u;
-          if (c != 0u) {
-            const int kc = static_cast<int>(__byte_perm(kKeyLo, kKeyHi, c) & 0xFFu);
-            key = max(key, 4 * static_cast<int>(sc[static_cast<long long>(r) * p.scales_stride]) + kc);
-          }
-        }
-        sb = key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0u;
-        zero = key <= 0;
+        const uint32_t x = exact_column_scale_byte(p, row0, cnt, col);
+        sb = x & 0xFFu;
+        zero = x == 0x100u;
       } else if (!nan_block) {
         const uint32_t key = (kw >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
         sb = key > 10u ? key - 10u : 0u;
@@ -882,16 +866,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kern
 #pragma unroll
     for (int i = 0; i < 16; ++i) {  // rows below N exist
       wd[i] = sv[i] = 0u;
-      if (active && rbase + i < cnt) {
-        const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
-        if constexpr (kVec4) {
-          wd[i] = __ldcs(reinterpret_cast<const uint32_t*>(q));
-        } else {
-          wd[i] = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) |
-                  (static_cast<uint32_t>(q[2]) << 16) | (static_cast<uint32_t>(q[3]) << 24);
-        }
-        sv[i] = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
-      }
+      if (active && rbase + i < cnt) load_lane_row<kVec4>(p, prow, srow, i, wd[i], sv[i]);
     }
   }
   grid_wait();  // the rows are in flight; the groups and records come from the scale kernel
