@@ -317,8 +317,12 @@ __device__ __forceinline__ void add_row_byte_keys(uint32_t sel, uint32_t s, uint
   k[2] = max_u16x2(k[2], k47 << 8);
   k[3] = max_u16x2(k[3], k47);
 }
-__device__ __forceinline__ uint32_t byte_key_of(const uint32_t (&k)[4], int j) {  // column j's key
-  return (k[2 * (j >> 2) + (j & 1)] >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
+// Where column j's key sits in that layout: word byte_key_word(j), bits byte_key_shift(j) .. + 7.
+__host__ __device__ constexpr int byte_key_word(int j) { return 2 * (j >> 2) + (j & 1); }
+__host__ __device__ constexpr int byte_key_shift(int j) { return 8 + 16 * ((j >> 1) & 1); }
+// Step 2 for a column whose largest byte key is key: its FP8 scale byte, 0x100 for an all-zero column.
+__device__ __forceinline__ uint32_t byte_key_scale_byte(uint32_t key) {
+  return key == 0u ? 0x100u : key > 10u ? key - 10u : 0u;
 }
 
 // Step 1's exact fallback: the FP8 scale byte of column col over the group's rows [row0, row0 + cnt),
@@ -357,11 +361,12 @@ __device__ __forceinline__ void load_lane_row(const Mxfp4ToFp8ColsParams& p, con
 // ---- First pass of the two-pass path: scales and records, row-major. ----
 // One CTA per (scale group, 256 hidden columns). Warp w reads rows w, w + 8, ... of the group, each as
 // one coalesced 128-byte load (4 packed bytes, 8 columns per lane) plus the row's scale byte of the
-// lane's MX block, and keeps the column maxima of its rows as byte keys (step 1 above); the 8 warps' maxima meet in shared memory, and warp 0 writes the
-// FP32 scales and the 16-byte records of its lanes' 8 columns (per column the byte the second pass
-// converts with, an all-zero column taking the largest finite byte of the 8, or 5 when there is none,
-// never 0xFF; then their minimum and maximum) and, for the first 256 columns, each row's group. The
-// group's first row and row count come from the prepare kernel's group_rows.
+// lane's MX block, and keeps the column maxima of its rows as byte keys (step 1 above); the 8 warps'
+// maxima meet in shared memory, and warp 0 writes the FP32 scales and the 16-byte records of its
+// lanes' 8 columns (per column the byte the second pass converts with, an all-zero column taking the
+// largest finite byte of the 8, or 5 when there is none, never 0xFF; then their minimum and maximum)
+// and, for the first 256 columns, each row's group. The group's first row and row count come from the
+// prepare kernel's group_rows.
 // H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (16-bit keys, ten byte
 // permutes per word), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
 // an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) took 206.4.
@@ -382,11 +387,11 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
   const int cnt = static_cast<int>(p.group_rows[2 * g + 1]);
   const int col0 = ch * kScaleCols + 8 * lane;  // this lane's 8 columns
   const bool active = col0 < p.hidden;
-  const uint8_t* prow = p.packed + row0 * p.packed_stride + col0 / 2;
-  const uint8_t* srow = p.scales + row0 * p.scales_stride + col0 / kMxBlock;
   uint32_t k[4] = {0u, 0u, 0u, 0u};
   bool nan = false, big = false;
   if (active) {
+    const uint8_t* prow = p.packed + row0 * p.packed_stride + col0 / 2;
+    const uint8_t* srow = p.scales + row0 * p.scales_stride + col0 / kMxBlock;
     uint32_t wv[kScaleRowsPerWarp], sv[kScaleRowsPerWarp];
 #pragma unroll
     for (int i = 0; i < kScaleRowsPerWarp; ++i) {
@@ -439,10 +444,7 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
     for (int j = 0; j < 8; ++j) sb[j] = exact_column_scale_byte(p, row0, cnt, col0 + j);
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t key = byte_key_of(k, j);
-      sb[j] = key > 0u ? (key > 10u ? key - 10u : 0u) : 0x100u;
-    }
+    for (int j = 0; j < 8; ++j) sb[j] = byte_key_scale_byte((k[byte_key_word(j)] >> byte_key_shift(j)) & 0xFFu);
   }
   uint32_t fmax = 0u;
   bool fany = false;
@@ -714,7 +716,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
       const int o = tid >> 3, j = tid & 7, col = ch * kTileCols + tid;
-      const uint32_t* kp = reinterpret_cast<const uint32_t*>(keys) + 4 * o + 2 * (j >> 2) + (j & 1);
+      const uint32_t* kp = reinterpret_cast<const uint32_t*>(keys) + 4 * o + byte_key_word(j);
       uint32_t kw = 0u, nb = 0u, bb = 0u;
 #pragma unroll
       for (int w = 0; w < kColWarps; ++w) {
@@ -723,17 +725,13 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
         bb |= s_big[w];
       }
       const bool nan_block = ((nb >> (o & ~3)) & 0xFu) != 0u;  // lanes 4k .. 4k+3: MX block k
-      uint32_t sb = kUe8m0Nan;
-      bool zero = false;
-      if (!nan_block && ((bb >> o) & 1u) != 0u && col < p.hidden) {  // rare: exact keys from the rows
-        const uint32_t x = exact_column_scale_byte(p, row0, cnt, col);
-        sb = x & 0xFFu;
-        zero = x == 0x100u;
-      } else if (!nan_block) {
-        const uint32_t key = (kw >> (8 + 16 * ((j >> 1) & 1))) & 0xFFu;
-        sb = key > 10u ? key - 10u : 0u;
-        zero = key == 0u;
+      uint32_t x = kUe8m0Nan;  // the scale byte, 0x100 for an all-zero column
+      if (!nan_block) {
+        x = ((bb >> o) & 1u) != 0u && col < p.hidden ? exact_column_scale_byte(p, row0, cnt, col)  // rare
+                                                     : byte_key_scale_byte((kw >> byte_key_shift(j)) & 0xFFu);
       }
+      const uint32_t sb = x & 0xFFu;
+      const bool zero = x == 0x100u;
       if (col < p.hidden) p.out_scales[static_cast<long long>(col) * p.num_groups + g] = ue8m0_value(sb);
       info[tid] = static_cast<uint16_t>(sb | (zero ? 0x100u : 0u));
     }
