@@ -272,8 +272,10 @@ constexpr KTable make_ktable() {
 }
 __constant__ KTable kKTable = make_ktable();
 
-// PRMT with the sign-replicating selector bit (nibble bit 3), which __byte_perm does not promise.
-__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t b, uint32_t sel) {
+// The PRMT instruction itself: selector nibble bit 3 replicates the sign of the selected byte, which
+// __byte_perm does not promise (it masks each nibble to 3 bits: one more instruction per call). Table
+// look-ups pass selectors already masked to 3-bit nibbles.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   uint32_t r;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
   return r;
@@ -311,7 +313,7 @@ constexpr uint32_t kByteKeyMaxScale = 251u;                       // S + 4 <= 25
 // columns 0, 2 in the high bytes of k[0]'s lanes, 1, 3 in k[1], 4, 6 in k[2], 5, 7 in k[3].
 __device__ __forceinline__ void add_row_byte_keys(uint32_t sel, uint32_t s, uint32_t (&k)[4]) {
   const uint32_t t_lo = s * 0x01010100u + kBinLo, t_hi = s * 0x01010101u + kBinHi;
-  const uint32_t k03 = __byte_perm(t_lo, t_hi, sel), k47 = __byte_perm(t_lo, t_hi, sel >> 16);
+  const uint32_t k03 = prmt(t_lo, t_hi, sel), k47 = prmt(t_lo, t_hi, sel >> 16);
   k[0] = max_u16x2(k[0], k03 << 8);
   k[1] = max_u16x2(k[1], k03);
   k[2] = max_u16x2(k[2], k47 << 8);
@@ -343,6 +345,20 @@ __device__ __forceinline__ uint32_t exact_column_scale_byte(const Mxfp4ToFp8Cols
   return key > 0 ? e4m3_scale_byte(key_to_float_bits(key)) : 0x100u;
 }
 
+// Scale-byte loads kept in the L2 (evict_last): a CTA uses 8 bytes of each row's 32-byte sector, the
+// other 24 belong to the CTAs of the next three column chunks, which in column raster run a quarter of
+// the grid later. The scale pass keeps __ldg: the policy register would make it spill at 48 registers.
+__device__ __forceinline__ uint64_t keep_policy() {
+  uint64_t pol;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+__device__ __forceinline__ uint32_t ld_keep_u8(const uint8_t* q, uint64_t pol) {
+  uint16_t v;
+  asm("ld.global.nc.L2::cache_hint.u8 %0, [%1], %2;" : "=h"(v) : "l"(q), "l"(pol));
+  return v;
+}
+
 // A lane's row i: its 4 packed bytes (one 4-byte load, or bytes when rows are not 4-byte aligned) and
 // the row's scale byte of the lane's MX block.
 template <bool kVec4>
@@ -355,7 +371,7 @@ __device__ __forceinline__ void load_lane_row(const Mxfp4ToFp8ColsParams& p, con
     w = static_cast<uint32_t>(q[0]) | (static_cast<uint32_t>(q[1]) << 8) | (static_cast<uint32_t>(q[2]) << 16) |
         (static_cast<uint32_t>(q[3]) << 24);
   }
-  s = __ldg(srow + static_cast<long long>(i) * p.scales_stride);
+  s = ld_keep_u8(srow + static_cast<long long>(i) * p.scales_stride, keep_policy());
 }
 
 // ---- First pass of the two-pass path: scales and records, row-major. ----
@@ -388,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
   const int col0 = ch * kScaleCols + 8 * lane;  // this lane's 8 columns
   const bool active = col0 < p.hidden;
   uint32_t k[4] = {0u, 0u, 0u, 0u};
-  bool nan = false, big = false;
+  uint32_t sall = 0u;  // the largest scale byte of the lane's rows: NaN (0xFF), or above 251
   if (active) {
     const uint8_t* prow = p.packed + row0 * p.packed_stride + col0 / 2;
     const uint8_t* srow = p.scales + row0 * p.scales_stride + col0 / kMxBlock;
@@ -404,12 +420,12 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
     }
 #pragma unroll
     for (int i = 0; i < kScaleRowsPerWarp; ++i) {
-      nan |= sv[i] == kUe8m0Nan;
-      big |= sv[i] > kByteKeyMaxScale;                  // NaN rows too: their block is NaN anyway
+      sall = max(sall, sv[i]);
       add_row_byte_keys(wv[i] & 0x77777777u, sv[i], k);  // rows past cnt: all-zero codes, keys 0
     }
   }
-  const uint32_t nan_bits_w = __ballot_sync(0xFFFFFFFFu, nan), big_bits_w = __ballot_sync(0xFFFFFFFFu, big);
+  const uint32_t nan_bits_w = __ballot_sync(0xFFFFFFFFu, sall == kUe8m0Nan);
+  const uint32_t big_bits_w = __ballot_sync(0xFFFFFFFFu, sall > kByteKeyMaxScale);  // NaN too: its block is NaN
   if (warp > 0) {
     s_max[warp - 1][lane] = make_uint4(k[0], k[1], k[2], k[3]);
     if (lane == 0) {
@@ -608,6 +624,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   __shared__ long long s_covered;
   __shared__ int s_row0, s_cnt;
   __shared__ uint32_t s_nan[kColWarps], s_big[kColWarps];
+  __shared__ uint4 s_lane_info[32];  // per lane: fast-formula bytes of its 8 columns, their range, NaN
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = (p.hidden + kTileCols - 1) / kTileCols;
   // Column raster: consecutive CTAs take consecutive groups of one 256-column chunk, so that the CTAs
@@ -694,12 +711,11 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
     // with a nonzero code.
     uint32_t k[4] = {0u, 0u, 0u, 0u};
     int smin = 255, smax = 0;
-    bool nan = false, big = false;
+    uint32_t sall = 0u;  // the largest scale byte of all the lane's rows: NaN (0xFF) and above 251
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const uint32_t s = sv[i], sel = wd[i] & 0x77777777u;
-      nan |= s == kUe8m0Nan;
-      big |= s > kByteKeyMaxScale;
+      sall = max(sall, s);
       if (sel != 0u) {
         smin = min(smin, static_cast<int>(s));
         smax = max(smax, static_cast<int>(s));
@@ -707,7 +723,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
       add_row_byte_keys(sel, s, k);
     }
     keys[warp * 32 + lane] = make_uint4(k[0], k[1], k[2], k[3]);
-    const uint32_t nan_bits = __ballot_sync(0xFFFFFFFFu, nan), big_bits = __ballot_sync(0xFFFFFFFFu, big);
+    const uint32_t nan_bits = __ballot_sync(0xFFFFFFFFu, sall == kUe8m0Nan);
+    const uint32_t big_bits = __ballot_sync(0xFFFFFFFFu, sall > kByteKeyMaxScale);
     if (lane == 0) {
       s_nan[warp] = nan_bits;
       s_big[warp] = big_bits;
@@ -734,45 +751,37 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
       const bool zero = x == 0x100u;
       if (col < p.hidden) p.out_scales[static_cast<long long>(col) * p.num_groups + g] = ue8m0_value(sb);
       info[tid] = static_cast<uint16_t>(sb | (zero ? 0x100u : 0u));
+      // Step 3's per-lane setup, made here by the 8 threads of lane o's columns (consecutive threads
+      // of one warp): the fast formula's bytes (an all-zero column takes the largest byte of the
+      // lane's other columns, or 5), their range, and whether a column is NaN.
+      const int q = tid & 24;  // the 8 threads' bits in a warp ballot
+      const bool any_special = ((__ballot_sync(0xFFFFFFFFu, sb == kUe8m0Nan) >> q) & 0xFFu) != 0u;
+      const bool any_live = ((__ballot_sync(0xFFFFFFFFu, !zero) >> q) & 0xFFu) != 0u;
+      uint32_t fm = zero ? 0u : sb;
+      fm = max(fm, __shfl_xor_sync(0xFFFFFFFFu, fm, 1));
+      fm = max(fm, __shfl_xor_sync(0xFFFFFFFFu, fm, 2));
+      fm = max(fm, __shfl_xor_sync(0xFFFFFFFFu, fm, 4));
+      const uint32_t c = zero ? (any_live ? fm : 5u) : sb;
+      uint32_t cmn = c, cmx = c;
+#pragma unroll
+      for (int m = 1; m < 8; m <<= 1) {
+        cmn = min(cmn, __shfl_xor_sync(0xFFFFFFFFu, cmn, m));
+        cmx = max(cmx, __shfl_xor_sync(0xFFFFFFFFu, cmx, m));
+      }
+      uint32_t word = (c - 5u) << (8 * (j & 3));
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 1);
+      word |= __shfl_xor_sync(0xFFFFFFFFu, word, 2);
+      uint32_t* li = reinterpret_cast<uint32_t*>(&s_lane_info[o]);
+      if ((j & 3) == 0) li[j >> 2] = word;
+      if (j == 0) li[2] = cmn | (cmx << 8) | (any_special ? 0x10000u : 0u);
     }
     __syncthreads();
     // 3. Convert the lane's 16 rows x 8 columns; 16 bytes per column into the tile.
     {
-      const uint4 iv = reinterpret_cast<const uint4*>(info)[lane];
-      const uint32_t iw[4] = {iv.x, iv.y, iv.z, iv.w};
-      uint32_t sbv[8];
-      bool special = false, zero[8];
-      uint32_t fmax = 0u;
-      bool fany = false;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t x = (iw[j >> 1] >> (16 * (j & 1))) & 0xFFFFu;
-        sbv[j] = x & 0xFFu;
-        zero[j] = (x >> 8) != 0u;
-        special |= sbv[j] == kUe8m0Nan;
-        if (!zero[j]) {
-          fmax = max(fmax, sbv[j]);
-          fany = true;
-        }
-      }
-      // Bytes used in the fast formula: an all-zero column (every result zero) takes the largest byte
-      // of the lane's other columns, or 5.
-      const uint32_t fill = fany ? fmax : 5u;
-      uint32_t cw_lo = 0, cw_hi = 0, sbw_lo = 0, sbw_hi = 0;
-      int cmin = 255, cmax = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint32_t c = zero[j] ? fill : sbv[j];
-        cmin = min(cmin, static_cast<int>(c));
-        cmax = max(cmax, static_cast<int>(c));
-        if (j < 4) {
-          cw_lo |= (c - 5u) << (8 * j);
-          sbw_lo |= sbv[j] << (8 * j);
-        } else {
-          cw_hi |= (c - 5u) << (8 * (j - 4));
-          sbw_hi |= sbv[j] << (8 * (j - 4));
-        }
-      }
+      const uint4 li = s_lane_info[lane];
+      const uint32_t cw_lo = li.x, cw_hi = li.y;
+      const int cmin = static_cast<int>(li.z & 0xFFu), cmax = static_cast<int>((li.z >> 8) & 0xFFu);
+      const bool special = (li.z >> 16) != 0u;
       const bool fast = !special && cmin >= 5 && cmax - cmin <= 15 && smin + 5 >= cmax && smax + 5 - cmin <= 15;
       const uint32_t s_idle = static_cast<uint32_t>(cmax - 5);
       uint32_t out[8][4];
@@ -786,16 +795,18 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
             const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;
             const uint32_t srep = (sel != 0u ? sv[4 * a + q] : s_idle) * 0x01010101u;
             const uint32_t x_lo = srep - cw_lo, x_hi = srep - cw_hi;  // bytes S - sb + 5 in [0, 15]
-            const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
-            const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, __umulhi(sel, 0x10000u));
-            rlo[q] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
-            rhi[q] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+            const uint32_t r_lo = x_lo * 8u + prmt(kBaseLo, kBaseHi, sel);
+            const uint32_t r_hi = x_hi * 8u + prmt(kBaseLo, kBaseHi, sel >> 16);
+            rlo[q] = (r_lo & ~prmt(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
+            rhi[q] = (r_hi & ~prmt(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
           }
           transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
           transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
         }
       } else {
         // Per element through the table (subnormal results, underflow, saturated or NaN columns).
+        const uint4 iv = reinterpret_cast<const uint4*>(info)[lane];  // the 8 columns' scale bytes
+        const uint32_t sbw_lo = __byte_perm(iv.x, iv.y, 0x6420), sbw_hi = __byte_perm(iv.z, iv.w, 0x6420);
         window_rows_per_element(tile, ktable, wd, sv, lane, warp,
                                 [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
       }
@@ -922,10 +933,10 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kern
           const uint32_t srep = sv[i] * 0x01010101u;
           const uint32_t x_lo = srep - (b ? cwb_lo : cwa_lo);  // bytes S - sb + 5 in [0, 15]
           const uint32_t x_hi = srep - (b ? cwb_hi : cwa_hi);
-          const uint32_t r_lo = x_lo * 8u + __byte_perm(kBaseLo, kBaseHi, sel);
-          const uint32_t r_hi = x_hi * 8u + __byte_perm(kBaseLo, kBaseHi, __umulhi(sel, 0x10000u));
-          rlo[q] = (r_lo & ~prmt_sign(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
-          rhi[q] = (r_hi & ~prmt_sign(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+          const uint32_t r_lo = x_lo * 8u + prmt(kBaseLo, kBaseHi, sel);
+          const uint32_t r_hi = x_hi * 8u + prmt(kBaseLo, kBaseHi, sel >> 16);
+          rlo[q] = (r_lo & ~prmt(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
+          rhi[q] = (r_hi & ~prmt(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
         }
         transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
         transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
