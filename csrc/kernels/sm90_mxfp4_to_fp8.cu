@@ -503,8 +503,9 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
 //   3. each lane converts its 16 rows x 8 columns by the byte formula base(c) + 8 (S - sb), testing
 //      the shifts as it goes (their bytes ORed; H200: 127.4 against 131.6 us, when each row's scale
 //      range was tracked in step 1), or, when a shift leaves E4M3's normal range, loads its rows again
-//      and converts per element through the table; transposes them 4x4 in registers and stores 16 bytes per column into a [256 column][128 row] E4M3 tile in shared
-//      memory (16-byte slots XOR-swizzled by column);
+//      and converts per element through the table; it transposes them 4x4 in registers and stores
+//      16 bytes per column into a [256 column][128 row] E4M3 tile in shared memory (16-byte slots
+//      XOR-swizzled by column);
 //   4. the CTA writes the tile's columns to the column-major output: whole aligned 16-byte stores (a
 //      group starting on a 16-byte boundary: 4 full lines per warp instruction with 128 rows), else
 //      16-byte pieces aligned in global memory, shifted out of the tile, with byte stores only at the
