@@ -437,8 +437,8 @@ def mxfp4_rows_to_fp8_cols(
     group (H200, 32 experts at N = 32768, H = 7168: 127 us with equal experts, 134 us with
     segments on 32-row boundaries, 179 us ragged). Callers that can pad expert segments to
     multiples of 32 rows (128 for the fastest path: back to back from row 0) get the one-pass
-    kernel. The split lengths are read once on the
-    host to plan this, which synchronises with the device.
+    kernel. The split lengths are read once on the host to plan this, which synchronises with the
+    device.
     """
     _packed_scales(packed, scales)
     _splits(split_lens, split_offsets, packed, required=True)
