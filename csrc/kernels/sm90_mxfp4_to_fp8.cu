@@ -856,10 +856,13 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
 // records of the groups of its first and last rows (a warp whose rows meet a third group, possible
 // only with groups shorter than 16 rows, converts per element with each row's own record). Windows
 // run last first: the rows the first pass read last may still be in the L2.
-// 4 CTAs per SM (64 registers) with word loads; 3 for byte loads, which would spill at 64 (H200, ragged
-// 32768 x 7168: 207 against 213 us for both passes).
+// 4 CTAs per SM (64 registers) with word loads (H200, ragged 32768 x 7168: 207 against 213 us for both
+// passes at 3); 2 for byte loads, which would spill at 3 (the binding sends them only one-row views
+// with an odd stride). Full windows load their rows without a test per row, and each warp takes its
+// rows' groups by ballots (ragged: 174.5 against 182.0 us for both passes; the per-row tests cost
+// about 300 instructions per thread).
 template <bool kVec4>
-__global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kernel(const Mxfp4ToFp8ColsParams p) {
+__global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2) sm90_cols_window_kernel(const Mxfp4ToFp8ColsParams p) {
   __shared__ __align__(16) uint8_t tile[kTileBytes];
   __shared__ __align__(4) uint8_t ktable[kColKRows * 8];  // E4M3 magnitudes (kKTable)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -883,36 +886,36 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kern
   {
     const uint8_t* prow = p.packed + (row0 + rbase) * p.packed_stride + c8 / 2;
     const uint8_t* srow = p.scales + (row0 + rbase) * p.scales_stride + c8 / kMxBlock;
+    if (active && rbase + 16 <= cnt) {  // the common case without per-row tests
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {  // rows below N exist
-      wd[i] = sv[i] = 0u;
-      if (active && rbase + i < cnt) load_lane_row<kVec4>(p, prow, srow, i, wd[i], sv[i]);
+      for (int i = 0; i < 16; ++i) load_lane_row<kVec4>(p, prow, srow, i, wd[i], sv[i]);
+    } else {
+      const int last = cnt - 1 - rbase;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        wd[i] = sv[i] = 0u;
+        if (active && i <= last) load_lane_row<kVec4>(p, prow, srow, i, wd[i], sv[i]);
+      }
     }
   }
   grid_wait();  // the rows are in flight; the groups and records come from the scale kernel
-  int grp[16];
-  {
-    const int4* gp = reinterpret_cast<const int4*>(p.row_groups + row0 + rbase);  // padded to whole windows
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const int4 g4 = gp[k];
-      grp[4 * k] = g4.x, grp[4 * k + 1] = g4.y, grp[4 * k + 2] = g4.z, grp[4 * k + 3] = g4.w;
-    }
-  }
+  // The warp's 16 rows' groups, one per lane (lanes 16-31 repeat them): the same for every lane, so
+  // taken once by ballots rather than by every lane per row.
+  const int grp_l = p.row_groups[row0 + rbase + (lane & 15)];  // padded to whole windows
+  const int g_first = __shfl_sync(0xFFFFFFFFu, grp_l, 0), g_last = __shfl_sync(0xFFFFFFFFu, grp_l, 15);
   // Rows of the groups of the warp's first and last rows take those two records (the common case,
   // the same for every lane); a warp whose rows meet a third group (groups shorter than 16 rows)
   // converts per element with each row's own record.
-  bool two = true;
-  uint32_t use_b = 0u;
+  const bool two = __all_sync(0xFFFFFFFFu, grp_l == g_first || grp_l == g_last);
+  const uint32_t use_b = __ballot_sync(0xFFFFFFFFu, grp_l != g_first) & 0xFFFFu;
+  const uint32_t out_rows = __ballot_sync(0xFFFFFFFFu, grp_l < 0) & 0xFFFFu;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    if (grp[i] < 0) wd[i] = sv[i] = 0u;  // rows outside every segment: zero codes
-    two = two && (grp[i] == grp[0] || grp[i] == grp[15]);
-    use_b |= (grp[i] != grp[0] ? 1u : 0u) << i;
+    if ((out_rows >> i) & 1u) wd[i] = sv[i] = 0u;  // rows outside every segment: zero codes
   }
   if (two) {
-    const uint4 rec_a = record(grp[0]);
-    const uint4 rec_b = grp[15] != grp[0] ? record(grp[15]) : rec_a;
+    const uint4 rec_a = record(g_first);
+    const uint4 rec_b = g_last != g_first ? record(g_last) : rec_a;
     // Fast formula valid for every row: the record's bytes in [5, 254] within 15 of each other, and
     // S - byte + 5 in [0, 15] for each byte of a row with a nonzero code (all-zero rows take S =
     // max - 5, which puts every shift in range).
@@ -964,6 +967,9 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_window_kern
       window_rows_per_element(tile, ktable, wd, sv, lane, warp, [=](int i) { return ((use_b >> i) & 1u) ? rec_b : rec_a; });
     }
   } else {
+    int grp[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) grp[i] = __shfl_sync(0xFFFFFFFFu, grp_l, i);
     window_rows_per_element(tile, ktable, wd, sv, lane, warp, [&](int i) { return record(grp[i]); });
   }
   __syncthreads();
