@@ -287,6 +287,17 @@ constexpr uint32_t kKeyLo = 0x0B090500u, kKeyHi = 0x13110F0Du;
 // ((ev + 7) << 3) | (mh << 2)), and 0x80 for code 0 (its result then has bit 7 set and is cleared).
 constexpr uint32_t kBaseLo = 0x14100880u, kBaseHi = 0x24201C18u;
 
+// The byte formula for one packed word w (8 columns of one row): the E4M3 bytes of columns 0-3 (lo)
+// and 4-7 (hi), given each column's shift S - sb + 5 as bytes x_lo, x_hi, every one in [0, 15].
+__device__ __forceinline__ void fast_word_e4m3(uint32_t w, uint32_t x_lo, uint32_t x_hi, uint32_t& lo, uint32_t& hi) {
+  const uint32_t sel = w & 0x77777777u;
+  const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;  // signs of even, odd columns
+  const uint32_t r_lo = x_lo * 8u + prmt(kBaseLo, kBaseHi, sel);
+  const uint32_t r_hi = x_hi * 8u + prmt(kBaseLo, kBaseHi, sel >> 16);
+  lo = (r_lo & ~prmt(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);  // code 0: zero
+  hi = (r_hi & ~prmt(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+}
+
 // Exact float32 bits of the value with key `key` (> 0): (1 + mh/2) 2^(E - 129), E = key >> 2.
 __device__ __forceinline__ uint32_t key_to_float_bits(int key) {
   const uint32_t e = static_cast<uint32_t>(key) >> 2, mh = (static_cast<uint32_t>(key) >> 1) & 1u;
@@ -797,15 +808,11 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
           uint32_t rlo[4], rhi[4];
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            const uint32_t w = wd[4 * a + q], sel = w & 0x77777777u;
-            const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;
-            const uint32_t srep = (sel != 0u ? sv[4 * a + q] : s_idle) * 0x01010101u;
+            const uint32_t w = wd[4 * a + q];
+            const uint32_t srep = ((w & 0x77777777u) != 0u ? sv[4 * a + q] : s_idle) * 0x01010101u;
             const uint32_t x_lo = srep - cw_lo, x_hi = srep - cw_hi;  // bytes S - sb + 5, checked below
             range |= x_lo | x_hi;
-            const uint32_t r_lo = x_lo * 8u + prmt(kBaseLo, kBaseHi, sel);
-            const uint32_t r_hi = x_hi * 8u + prmt(kBaseLo, kBaseHi, sel >> 16);
-            rlo[q] = (r_lo & ~prmt(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
-            rhi[q] = (r_hi & ~prmt(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+            fast_word_e4m3(w, x_lo, x_hi, rlo[q], rhi[q]);
           }
           transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
           transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
@@ -946,15 +953,10 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2) sm90_cols_window_kern
         for (int q = 0; q < 4; ++q) {
           const int i = 4 * a + q;
           const bool b = (use_b >> i) & 1u;
-          const uint32_t w = wd[i], sel = w & 0x77777777u;
-          const uint32_t sg_e = (w << 4) & 0x80808080u, sg_o = w & 0x80808080u;
           const uint32_t srep = sv[i] * 0x01010101u;
           const uint32_t x_lo = srep - (b ? cwb_lo : cwa_lo);  // bytes S - sb + 5 in [0, 15]
           const uint32_t x_hi = srep - (b ? cwb_hi : cwa_hi);
-          const uint32_t r_lo = x_lo * 8u + prmt(kBaseLo, kBaseHi, sel);
-          const uint32_t r_hi = x_hi * 8u + prmt(kBaseLo, kBaseHi, sel >> 16);
-          rlo[q] = (r_lo & ~prmt(r_lo, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x5140);
-          rhi[q] = (r_hi & ~prmt(r_hi, 0u, 0xBA98u)) | __byte_perm(sg_e, sg_o, 0x7362);
+          fast_word_e4m3(wd[i], x_lo, x_hi, rlo[q], rhi[q]);
         }
         transpose4x4(rlo[0], rlo[1], rlo[2], rlo[3], out[0][a], out[1][a], out[2][a], out[3][a]);
         transpose4x4(rhi[0], rhi[1], rhi[2], rhi[3], out[4][a], out[5][a], out[6][a], out[7][a]);
