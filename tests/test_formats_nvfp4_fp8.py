@@ -200,7 +200,7 @@ def test_rows_to_fp8_cols_per_expert():
     packed, scales = random_mxfp4(n, hidden)
     data, s, goff = F.mxfp4_rows_to_fp8_cols(packed, scales, lens)
     assert data.shape == (hidden, n)
-    assert goff.tolist() == [0, 0, 1, 3, 3, 4, 6] and s.shape == (hidden, 6)
+    assert goff.tolist() == [0, 0, 1, 3, 3, 4, 6] and s.shape == (hidden, 6) and s.stride() == (1, hidden)
     values = F.dequantize_mxfp4(packed, scales)
     offs = F.split_offsets(lens).tolist()
     for e in range(len(lens)):

@@ -471,6 +471,7 @@ def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
         _dirty_cache(4 * t * h)
         got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
         _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
+        assert got[1].stride() == (1, h)  # outer-dim-major, as the spec
 
 
 def test_mxfp4_rows_to_fp8_cols_two_pass_rows_past_the_segments():

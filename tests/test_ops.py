@@ -111,6 +111,7 @@ def test_mxfp4_rows_to_fp8_cols_equals_spec():
         want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, o)
         for g, w, what in zip(got, want, ("data", "scales", "group_offsets")):
             assert_bitwise_equal(g, w, what)
+        assert got[1].stride() == want[1].stride() == (1, 128)  # outer-dim-major [H, G]
 
 
 def test_quantize_fp8_blockwise_equals_spec():
@@ -197,7 +198,7 @@ def test_fake_shapes():
         assert (d.shape, sc.shape) == ((6, 256), (6, 2))
         lens = torch.empty(3, dtype=torch.int64)
         d, sc, go = _ops.mxfp4_rows_to_fp8_cols_op(p, s, lens, None)
-        assert d.shape == (256, 6) and sc.shape[0] == 256 and go.shape == (4,)
+        assert d.shape == (256, 6) and sc.shape[0] == 256 and sc.stride()[0] == 1 and go.shape == (4,)
         q, qs = ops.quantize_fp8_blockwise(x)
         assert (q.shape, q.dtype, qs.shape) == ((6, 256), torch.float8_e4m3fn, (6, 2))
         v = ops.dequantize_mxfp4(p, s)

@@ -96,14 +96,15 @@ struct Mxfp4ToFp8RowsParams {
 };
 cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream);
 
-// FP4RowToFP8Col: MXFP4 rows grouped by expert -> E4M3 columns [H, N] + FP32 scales [H, G].
+// FP4RowToFP8Col: MXFP4 rows grouped by expert -> E4M3 columns [H, N] + FP32 scales [H, G], the scales
+// stored outer-dim-major (a [G, H] buffer).
 struct Mxfp4ToFp8ColsParams {
   const uint8_t* packed;       // uint8 [N, H/2] (row stride packed_stride bytes, 16-byte aligned rows)
   long long packed_stride;
   const uint8_t* scales;       // uint8 [N, H/32] (row stride scales_stride bytes)
   long long scales_stride;
   uint8_t* out;                // float8_e4m3fn [H, N]; columns of rows outside every segment are zeroed
-  float* out_scales;           // float32 [H, G]
+  float* out_scales;           // float32 [H, G] at strides (1, H): the scale of column h, group g at g H + h
   long long* group_offsets;    // int64 [E + 1] (output): first scale column of each expert, then G
   long long* workspace;        // int64 [E + 1] scratch: first row of each expert, then the rows covered
   long long* group_rows;       // int64 [G, 2] scratch: first row and row count of each scale group

@@ -400,7 +400,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   moe_fp4::Mxfp4ToFp8ColsParams p{};
   p.segments = segments_of(split_lens, split_offsets, packed);
   Tensor out = at::empty({h, n}, packed.options().dtype(at::kFloat8_e4m3fn));
-  Tensor out_scales = at::empty({h, num_groups}, packed.options().dtype(at::kFloat));
+  // [H, G] outer-dim-major (strides (1, H)), as formats.mxfp4_rows_to_fp8_cols returns it
+  Tensor out_scales = at::empty({num_groups, h}, packed.options().dtype(at::kFloat)).t();
   Tensor group_offsets = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
   // int64 workspace: [E + 1] expert rows, [G, 2] group rows, then (16-byte aligned) the two-pass
   // path's [G, H/8] 16-byte column records and int32 row groups padded to whole 128-row windows.

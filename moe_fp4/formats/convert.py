@@ -12,7 +12,10 @@ A group with a 0xFF (NaN) block scale gets scale NaN and zero data.
 Column conversion, ``mxfp4_rows_to_fp8_cols`` (the wgrad operand): rows grouped by expert are
 dequantized (exactly, in float32), transposed, and requantized to FP8 blockwise along the token
 dimension, in groups of 128 tokens that start at each expert's first row (the last group of an
-expert may be shorter; it is quantized as if padded with zeros).
+expert may be shorter; it is quantized as if padded with zeros). Its FP32 scales [H, G] are stored
+outer-dim-major (strides (1, H), the transpose of a contiguous [G, H]): the layout in which
+``torch._scaled_mm``'s blockwise 1x128 scaling takes a left operand's scales, and one in which a
+kernel converting 128 tokens x 256 hidden columns writes its scales as 1 KB in one piece.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ def mxfp4_rows_to_fp8_cols(
     int [E] (None: back to back from row 0). Returns
       data float8_e4m3fn [H, N]: expert e's rows r in [off_e, off_e + len_e) become columns of the same
         index (columns of rows outside every segment are zero);
-      scales float32 [H, G], G = sum_e ceil(len_e / 128): expert e's groups are the columns
-        [goff_e, goff_e + ceil(len_e/128));
+      scales float32 [H, G], G = sum_e ceil(len_e / 128), outer-dim-major (strides (1, H)): expert
+        e's groups are the columns [goff_e, goff_e + ceil(len_e/128));
       group_offsets int64 [E + 1]: goff_e, then G.
     """
     k = _check_mxfp4(packed, scales)
@@ -94,7 +97,7 @@ def mxfp4_rows_to_fp8_cols(
     goffs = [0]
     for c in group_counts:
         goffs.append(goffs[-1] + c)
-    out_scales = torch.empty(k, goffs[-1], dtype=torch.float32, device=packed.device)
+    out_scales = torch.empty(goffs[-1], k, dtype=torch.float32, device=packed.device).t()
     for e, (off, ln) in enumerate(zip(offs, lens)):
         if ln == 0:
             continue
