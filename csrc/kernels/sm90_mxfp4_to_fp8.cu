@@ -24,6 +24,25 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kRowUnroll = 8;  // items (8-byte loads) in flight per lane
 
+// n / d for every 32-bit n and an invariant 32-bit d >= 1, by one high multiply and shifts (round-up
+// method): l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, t = umulhi(n, m), then
+// n / d = (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0). The kernels' CTA indices are divided so: the
+// division instruction sequence (I2F, MUFU.RCP, F2I and a dozen integer ops) stalled each CTA's
+// first warps on the H200.
+struct DivU32 {
+  uint32_t m, s1, s2;
+};
+inline DivU32 make_div_u32(uint32_t d) {
+  uint32_t l = 0;
+  while (l < 32 && (1ull << l) < d) ++l;
+  const uint64_t m = ((1ull << 32) * ((1ull << l) - d)) / d + 1;
+  return {static_cast<uint32_t>(m), l < 1 ? l : 1u, l > 1 ? l - 1 : 0u};
+}
+__device__ __forceinline__ uint32_t div_u32(uint32_t n, DivU32 v) {
+  const uint32_t t = __umulhi(n, v.m);
+  return (t + ((n - t) >> v.s1)) >> v.s2;
+}
+
 struct RemapTable {
   uint32_t word[kRemapRows][2];  // bytes: E4M3 magnitude of E2M1 magnitude code c at shift d
   uint32_t zero[kRemapRows];     // bit c: nonzero code c becomes zero at shift d (an underflow)
@@ -404,13 +423,14 @@ __device__ __forceinline__ void load_lane_row(const Mxfp4ToFp8ColsParams& p, con
 constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
 constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
 
-__global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxfp4ToFp8ColsParams p) {
+__global__ void __launch_bounds__(kThreads, 5)
+    sm90_cols_scales_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_chunks) {
   __shared__ uint4 s_max[kColWarps - 1][32];  // warps 1..7: column keys of each lane
   __shared__ uint32_t s_nan[kColWarps - 1];   // warps 1..7: a NaN scale byte seen, per lane (bit)
   __shared__ uint32_t s_big[kColWarps - 1];   // warps 1..7: a scale byte above kByteKeyMaxScale, per lane
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = (p.hidden + kScaleCols - 1) / kScaleCols;
-  const long long g = blockIdx.x / chunks;
+  const long long g = div_u32(blockIdx.x, by_chunks);
   const int ch = static_cast<int>(blockIdx.x - g * chunks);
   grid_launch_next();  // the window kernel's CTAs load their rows, then wait for this kernel's end
   grid_wait();         // the prepare kernel's group rows
@@ -506,7 +526,10 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
 }
 
 // ---- FP4RowToFP8Col as CTA tiles: one CTA per (scale group, 256 hidden columns). ----
-// Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a time).
+// Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a time);
+// with full_groups the other warps do not wait for it (step 1 runs on the rows loaded early, and the
+// look-up is checked at step 1's barrier; H200, 32 equal experts at 32768 x 7168, together with the
+// CTA index divided by multiply and shifts: 112.1 against 117.3 us).
 // Warp w loads rows 16 w .. 16 w + 15 of the group as coalesced 128-byte row pieces (lane l: the 4
 // packed bytes of hidden columns 8 l .. 8 l + 7, all in one MX block, and that block's scale byte); no
 // staging. Then:
@@ -514,9 +537,10 @@ __global__ void __launch_bounds__(kThreads, 5) sm90_cols_scales_kernel(const Mxf
 //      equal experts at 32768 x 7168: 140.1 against 145.5 us with 16-bit keys);
 //   2. thread t takes column t's maximum over the 8 warps, its FP8 scale byte (written as the FP32
 //      scale: the CTA's 256 scales are 1 KB in one piece of the outer-dim-major [H, G]; H200: 117.6
-//      against 127.3 us with [H, G] row-major, 4 bytes every 4 G) and whether the column is all zero; the 8 threads of lane l's columns then build that
-//      lane's step-3 setup by shuffles (H200: 130.9 against 140.0 us, with the raw PRMT look-ups,
-//      when every lane built it from the 8 columns' bytes after the barrier);
+//      against 127.3 us with [H, G] row-major, 4 bytes every 4 G) and whether the column is all zero;
+//      the 8 threads of lane l's columns then build that lane's step-3 setup by shuffles (H200: 130.9
+//      against 140.0 us, with the raw PRMT look-ups, when every lane built it from the 8 columns'
+//      bytes after the barrier);
 //   3. each lane converts its 16 rows x 8 columns by the byte formula base(c) + 8 (S - sb), testing
 //      the shifts as it goes (their bytes ORed; H200: 127.4 against 131.6 us, when each row's scale
 //      range was tracked in step 1), or, when a shift leaves E4M3's normal range, loads its rows again
@@ -638,8 +662,11 @@ __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uin
   }
 }
 
+// 4 CTAs per SM (64 registers) with word loads; 2 with byte loads, which spill at 3 (the binding sends
+// them only one-row views with an odd stride).
 template <bool kVec4>
-__global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p) {
+__global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
+    sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* tile = smem;
   uint4* keys = reinterpret_cast<uint4*>(smem + kTileKeys);
@@ -656,8 +683,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
   // running at once write long runs of each output row (H200, 32768 x 7168: 149.5 against 153.8 us
   // with consecutive chunks of one group). CTAs past the tiles (row zeroing) take no group, and their
   // chunk index stays at `chunks` (no column arithmetic past the hidden size).
-  const int ch = p.num_groups > 0 ? static_cast<int>(min(blockIdx.x / p.num_groups, static_cast<long long>(chunks)))
-                                   : chunks;
+  const int ch = p.num_groups > 0 ? min(static_cast<int>(div_u32(blockIdx.x, by_groups)), chunks) : chunks;
   const int g = ch < chunks ? static_cast<int>(blockIdx.x - static_cast<long long>(ch) * p.num_groups) : INT_MAX;
   if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = kKTable.word[tid];
   // Each warp's 16 rows of the group starting at row r0 with n rows (lane: 4 packed bytes, 8 columns of
@@ -728,15 +754,14 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
       if (blockIdx.x == 0) p.group_offsets[seg.num] = carry_groups;
     }
   }
-  __syncthreads();
-  const int row0 = s_row0, cnt = s_cnt;
-  if (cnt > 0) {  // CTA-uniform
-    if (!(early && row0 == early_row0 && cnt == kTileRows)) load_rows(row0, cnt);
-    // 1. Column keys of the lane's rows (byte keys, as the scale pass); the largest and smallest scale
-    // bytes of its rows.
+  // 1. Column keys of the lane's rows (byte keys, as the scale pass) into shared memory; the largest
+  // and smallest scale bytes of its rows.
+  uint32_t sall = 0u;    // the largest scale byte of all the lane's rows: NaN (0xFF) and above 251
+  uint32_t smn = 255u;   // the smallest
+  auto column_keys = [&]() {
     uint32_t k[4] = {0u, 0u, 0u, 0u};
-    uint32_t sall = 0u;    // the largest scale byte of all the lane's rows: NaN (0xFF) and above 251
-    uint32_t smn = 255u;   // the smallest
+    sall = 0u;
+    smn = 255u;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       const uint32_t s = sv[i], sel = wd[i] & 0x77777777u;
@@ -751,7 +776,32 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
       s_nan[warp] = nan_bits;
       s_big[warp] = big_bits;
     }
+  };
+  int row0, cnt;
+  if (early) {  // CTA-uniform. The keys of the early rows do not wait for warp 0's look-up: one barrier
+    // serves both; a look-up that disagrees (a wrongly set flag) loads the rows and takes the keys again.
+    column_keys();
     __syncthreads();
+    row0 = s_row0;
+    cnt = s_cnt;
+    if (row0 != early_row0 || cnt != kTileRows) {
+      if (cnt > 0) {
+        load_rows(row0, cnt);
+        column_keys();
+      }
+      __syncthreads();
+    }
+  } else {
+    __syncthreads();
+    row0 = s_row0;
+    cnt = s_cnt;
+    if (cnt > 0) {
+      load_rows(row0, cnt);
+      column_keys();
+    }
+    __syncthreads();
+  }
+  if (cnt > 0) {  // CTA-uniform
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
       const int o = tid >> 3, j = tid & 7, col = ch * kTileCols + tid;
@@ -875,7 +925,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 3) sm90_cols_tile_kernel
 // rows' groups by ballots (ragged: 174.5 against 182.0 us for both passes; the per-row tests cost
 // about 300 instructions per thread).
 template <bool kVec4>
-__global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2) sm90_cols_window_kernel(const Mxfp4ToFp8ColsParams p) {
+__global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
+    sm90_cols_window_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_windows) {
   __shared__ __align__(16) uint8_t tile[kTileBytes];
   __shared__ __align__(4) uint8_t ktable[kColKRows * 8];  // E4M3 magnitudes (kKTable)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -884,7 +935,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2) sm90_cols_window_kern
   const long long n = p.rows;
   const long long windows = (n + kTileRows - 1) / kTileRows;
   // Column raster, as the one-pass kernel (ragged 32768 x 7168: 212 against 218.5 us).
-  const int ch = static_cast<int>(blockIdx.x / windows);
+  const int ch = static_cast<int>(div_u32(blockIdx.x, by_windows));
   const long long v = blockIdx.x - static_cast<long long>(ch) * windows;
   const long long row0 = (windows - 1 - v) * kTileRows;
   const int cnt = static_cast<int>(min(static_cast<long long>(kTileRows), n - row0));
@@ -1004,7 +1055,8 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
 
 // A kernel of the two-pass path, launched as a programmatic dependent of the previous kernel.
 template <typename Kernel>
-cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
+cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8ColsParams& p, DivU32 div,
+                             cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(kThreads);
@@ -1015,7 +1067,7 @@ cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8Col
   attr.val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  return cudaLaunchKernelEx(&cfg, kernel, p);
+  return cudaLaunchKernelEx(&cfg, kernel, p, div);
 }
 
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
@@ -1046,7 +1098,8 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
     auto launch = [&](auto kernel) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
-      kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(p);
+      kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
+          p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)));
     };
     if (vec4) launch(sm90_cols_tile_kernel<true>);
     else launch(sm90_cols_tile_kernel<false>);
@@ -1058,13 +1111,15 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   if (err != cudaSuccess) return err;
   const long long scale_blocks = p.num_groups * ((p.hidden + kScaleCols - 1) / kScaleCols);
   if (scale_blocks > 0) {
-    err = launch_dependent(sm90_cols_scales_kernel, static_cast<unsigned>(scale_blocks), p, stream);
+    err = launch_dependent(sm90_cols_scales_kernel, static_cast<unsigned>(scale_blocks), p,
+                           make_div_u32(static_cast<uint32_t>((p.hidden + kScaleCols - 1) / kScaleCols)), stream);
     if (err != cudaSuccess) return err;
   }
   const unsigned window_blocks = static_cast<unsigned>(windows * chunks);
   const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
-  return vec4 ? launch_dependent(sm90_cols_window_kernel<true>, window_blocks, p, stream)
-              : launch_dependent(sm90_cols_window_kernel<false>, window_blocks, p, stream);
+  const DivU32 by_windows = make_div_u32(static_cast<uint32_t>(windows));
+  return vec4 ? launch_dependent(sm90_cols_window_kernel<true>, window_blocks, p, by_windows, stream)
+              : launch_dependent(sm90_cols_window_kernel<false>, window_blocks, p, by_windows, stream);
 }
 
 }  // namespace moe_fp4
