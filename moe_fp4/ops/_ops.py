@@ -236,12 +236,14 @@ def column_plan(
     each 32-byte sector of the [H, N] output belongs to one group. A segment starting anywhere else
     leaves sectors shared by two groups, each written partially (a DRAM read per partial sector);
     then the two-pass kernels (scales first, then whole aligned sectors) are the faster ones (H200,
-    2026-11-25: 167 vs 262 us for 32 ragged experts at N = 32768, H = 7168; 164 vs 118 us for equal
+    2026-11-25: 164 vs 244 us for 32 ragged experts at N = 32768, H = 7168; 162 vs 112 us for equal
     ones).
 
     full_groups: the segments lie back to back from row 0 and every length is a multiple of 128, so
     scale group g is rows [128 g, 128 g + 128); the one-pass kernel then loads a group's rows while it
-    looks the group up (H200, 32 equal experts at N = 32768: 145 against 150 us).
+    looks the group up, and takes their column keys before the look-up answers (H200, 32 equal
+    experts at N = 32768: 145 against 150 us for the early loads, 2026-11-24; with the keys, 112
+    against 117 us together with the CTA index division, 2026-11-25).
     """
     if split_offsets is not None and split_offsets.shape == split_lens.shape:
         host = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).cpu()
