@@ -13,6 +13,7 @@
 //     pieces of the output that no other CTA touches, whatever the segment boundaries. See the
 //     kernels' comments.
 #include "sm90_common.cuh"
+#include "sm90_divide.cuh"
 #include "sm90_launchers.h"
 
 #include <climits>
@@ -23,25 +24,6 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kRowUnroll = 8;  // items (8-byte loads) in flight per lane
-
-// n / d for every 32-bit n and an invariant 32-bit d >= 1, by one high multiply and shifts (round-up
-// method): l = ceil(log2 d), m = floor(2^32 (2^l - d) / d) + 1, t = umulhi(n, m), then
-// n / d = (t + ((n - t) >> min(l, 1))) >> max(l - 1, 0). The kernels' CTA indices are divided so: the
-// division instruction sequence (I2F, MUFU.RCP, F2I and a dozen integer ops) stalled each CTA's
-// first warps on the H200.
-struct DivU32 {
-  uint32_t m, s1, s2;
-};
-inline DivU32 make_div_u32(uint32_t d) {
-  uint32_t l = 0;
-  while (l < 32 && (1ull << l) < d) ++l;
-  const uint64_t m = ((1ull << 32) * ((1ull << l) - d)) / d + 1;
-  return {static_cast<uint32_t>(m), l < 1 ? l : 1u, l > 1 ? l - 1 : 0u};
-}
-__device__ __forceinline__ uint32_t div_u32(uint32_t n, DivU32 v) {
-  const uint32_t t = __umulhi(n, v.m);
-  return (t + ((n - t) >> v.s1)) >> v.s2;
-}
 
 struct RemapTable {
   uint32_t word[kRemapRows][2];  // bytes: E4M3 magnitude of E2M1 magnitude code c at shift d
