@@ -59,8 +59,9 @@ def test_div_u32_matches_division(tmp_path):
     src = tmp_path / "divide.cpp"
     src.write_text(DRIVER)
     exe = tmp_path / "divide"
-    subprocess.run([cxx, "-std=c++17", "-O2", f"-I{HEADER_DIR}", str(src), "-o", str(exe)], check=True,
-                   capture_output=True, text=True)
+    build = subprocess.run([cxx, "-std=c++17", "-O2", f"-I{HEADER_DIR}", str(src), "-o", str(exe)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
     seed = int.from_bytes(os.urandom(4), "little")
     res = subprocess.run([str(exe), str(seed)], capture_output=True, text=True)
     assert res.returncode == 0, f"seed {seed}: {res.stdout}"

@@ -198,7 +198,7 @@ def test_fake_shapes():
         assert (d.shape, sc.shape) == ((6, 256), (6, 2))
         lens = torch.empty(3, dtype=torch.int64)
         d, sc, go = _ops.mxfp4_rows_to_fp8_cols_op(p, s, lens, None)
-        assert d.shape == (256, 6) and sc.shape[0] == 256 and sc.stride()[0] == 1 and go.shape == (4,)
+        assert d.shape == (256, 6) and sc.shape[0] == 256 and sc.stride() == (1, 256) and go.shape == (4,)
         q, qs = ops.quantize_fp8_blockwise(x)
         assert (q.shape, q.dtype, qs.shape) == ((6, 256), torch.float8_e4m3fn, (6, 2))
         v = ops.dequantize_mxfp4(p, s)
@@ -216,6 +216,7 @@ def test_opcheck_cpu():
         (_ops.quantize_mxfp4_rows_into_op, (x, "up", _u8(5, 68), torch.tensor([4, 0, 2, 1]))),
         (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
         (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 128, None, None)),
+        (_ops.mxfp4_rows_to_fp8_cols_op, (packed, scales, lens, None)),
         (_ops.quantize_fp8_blockwise_op, (x,)),
         (_ops.dequantize_mxfp4_op, (packed, scales, torch.bfloat16)),
         (_ops.scatter_rows_op, (rows, [_u8(5, 68), _u8(3, 68)], torch.tensor([[4, 0], [-1, 2], [0, 1], [2, 3]]), 0)),

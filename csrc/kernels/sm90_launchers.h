@@ -105,6 +105,7 @@ struct Mxfp4ToFp8ColsParams {
   long long scales_stride;
   uint8_t* out;                // float8_e4m3fn [H, N]; columns of rows outside every segment are zeroed
   float* out_scales;           // float32 [H, G] at strides (1, H): the scale of column h, group g at g H + h
+                               // (16-byte aligned: the scale pass stores 4 scales at a time)
   long long* group_offsets;    // int64 [E + 1] (output): first scale column of each expert, then G
   long long* workspace;        // int64 [E + 1] scratch: first row of each expert, then the rows covered
   long long* group_rows;       // int64 [G, 2] scratch: first row and row count of each scale group
