@@ -217,7 +217,6 @@ def test_rows_to_fp8_cols_per_expert():
         F.mxfp4_rows_to_fp8_cols(packed, scales, torch.tensor([n + 1]))
 
 
-
 def test_fp8_column_scale_depends_on_the_binade_only():
     """The column kernels' byte keys: a column whose largest element is E2M1 code c in a row of scale
     byte S gets the FP8 scale byte max(S + b(c) - 10, 0), b(c) = floor(log2 |E2M1(c)|) + 2, for every
