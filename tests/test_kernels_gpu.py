@@ -439,6 +439,7 @@ def test_opcheck_cuda():
         (_ops.quantize_mxfp4_rows_into_op, (x, "up", out, index)),
         (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
         (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 256, lens, None)),
+        (_ops.mxfp4_rows_to_fp8_cols_op, (packed, scales, lens, None)),  # the native strides against the fake
         (_ops.quantize_fp8_blockwise_op, (x,)),
         (_ops.dequantize_mxfp4_op, (packed, scales, torch.bfloat16)),
     ]:
