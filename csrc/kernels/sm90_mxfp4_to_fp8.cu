@@ -1057,6 +1057,8 @@ cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8Col
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
   const bool two_pass = p.col_records != nullptr && p.row_groups != nullptr;
   const bool empty = p.rows <= 0 || p.hidden <= 0;
+  // Rows read as 4-byte words (else bytes: only one-row views with an odd stride reach here).
+  const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
   // Row numbers, group and CTA indices are 32-bit in the kernels.
   const long long chunks = (p.hidden + kTileCols - 1) / kTileCols;
   const long long windows = (p.rows + kTileRows - 1) / kTileRows;
@@ -1079,7 +1081,6 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     // Rows outside every segment are zeroed by a grid-stride loop over warps after the tiles.
     if (p.segments.offsets != nullptr && blocks * kColWarps < p.rows) blocks = (p.rows + kColWarps - 1) / kColWarps;
     if (blocks < 1) blocks = 1;
-    const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
     auto launch = [&](auto kernel) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
       kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
@@ -1100,7 +1101,6 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     if (err != cudaSuccess) return err;
   }
   const unsigned window_blocks = static_cast<unsigned>(windows * chunks);
-  const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
   const DivU32 by_windows = make_div_u32(static_cast<uint32_t>(windows));
   return vec4 ? launch_dependent(sm90_cols_window_kernel<true>, window_blocks, p, by_windows, stream)
               : launch_dependent(sm90_cols_window_kernel<false>, window_blocks, p, by_windows, stream);
