@@ -199,7 +199,8 @@ def test_rows_to_fp8_cols_per_expert():
     n = int(lens.sum())
     packed, scales = random_mxfp4(n, hidden)
     data, s, goff = F.mxfp4_rows_to_fp8_cols(packed, scales, lens)
-    assert data.shape == (hidden, n)
+    assert n % 32 != 0 and data.shape == (hidden, n)
+    assert data.stride() == (F.fp8_cols_row_stride(n), 1) == (-(-n // 32) * 32, 1)  # rows on 32-byte sectors
     assert goff.tolist() == [0, 0, 1, 3, 3, 4, 6] and s.shape == (hidden, 6) and s.stride() == (1, hidden)
     values = F.dequantize_mxfp4(packed, scales)
     offs = F.split_offsets(lens).tolist()

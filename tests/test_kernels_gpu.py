@@ -473,6 +473,7 @@ def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
         got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
         _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
         assert got[1].stride() == (1, h)  # outer-dim-major, as the spec
+        assert got[0].stride() == want[0].stride() == ((t + 31) // 32 * 32, 1)  # rows on 32-byte sectors
 
 
 def test_mxfp4_rows_to_fp8_cols_two_pass_rows_past_the_segments():

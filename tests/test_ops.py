@@ -112,6 +112,7 @@ def test_mxfp4_rows_to_fp8_cols_equals_spec():
         for g, w, what in zip(got, want, ("data", "scales", "group_offsets")):
             assert_bitwise_equal(g, w, what)
         assert got[1].stride() == want[1].stride() == (1, 128)  # outer-dim-major [H, G]
+        assert got[0].stride() == want[0].stride() == (320, 1)  # rows padded to 32 bytes
 
 
 def test_quantize_fp8_blockwise_equals_spec():
@@ -198,7 +199,8 @@ def test_fake_shapes():
         assert (d.shape, sc.shape) == ((6, 256), (6, 2))
         lens = torch.empty(3, dtype=torch.int64)
         d, sc, go = _ops.mxfp4_rows_to_fp8_cols_op(p, s, lens, None)
-        assert d.shape == (256, 6) and sc.shape[0] == 256 and sc.stride() == (1, 256) and go.shape == (4,)
+        assert d.shape == (256, 6) and d.stride() == (32, 1) and sc.shape[0] == 256 and sc.stride() == (1, 256)
+        assert go.shape == (4,)
         q, qs = ops.quantize_fp8_blockwise(x)
         assert (q.shape, q.dtype, qs.shape) == ((6, 256), torch.float8_e4m3fn, (6, 2))
         v = ops.dequantize_mxfp4(p, s)

@@ -103,7 +103,9 @@ struct Mxfp4ToFp8ColsParams {
   long long packed_stride;
   const uint8_t* scales;       // uint8 [N, H/32] (row stride scales_stride bytes)
   long long scales_stride;
-  uint8_t* out;                // float8_e4m3fn [H, N]; columns of rows outside every segment are zeroed
+  uint8_t* out;                // float8_e4m3fn [H, N] at row stride out_stride; columns of rows outside
+                               // every segment are zeroed
+  long long out_stride;        // bytes between output rows, >= N (a multiple of 32 for whole-sector stores)
   float* out_scales;           // float32 [H, G] at strides (1, H): the scale of column h, group g at g H + h
                                // (16-byte aligned: the scale pass stores 4 scales at a time)
   long long* group_offsets;    // int64 [E + 1] (output): first scale column of each expert, then G

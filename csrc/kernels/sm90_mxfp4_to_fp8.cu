@@ -876,7 +876,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     }
     __syncthreads();
     // 4. The tile's columns to the output.
-    tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.rows + row0, p.rows,
+    tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
                min(kTileCols, p.hidden - ch * kTileCols), cnt, tid);
   }
 
@@ -887,7 +887,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   for (long long row = gwarp; row < p.rows; row += num_warps) {
     if (warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered)) continue;
-    for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * p.rows + row] = 0;
+    for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * p.out_stride + row] = 0;
   }
 }
 
@@ -1016,7 +1016,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     window_rows_per_element(tile, ktable, wd, sv, lane, warp, [&](int i) { return record(grp[i]); });
   }
   __syncthreads();
-  tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * n + row0, n,
+  tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
              min(kTileCols, p.hidden - ch * kTileCols), cnt, tid);
 }
 
@@ -1062,7 +1062,8 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   // Row numbers, group and CTA indices are 32-bit in the kernels.
   const long long chunks = (p.hidden + kTileCols - 1) / kTileCols;
   const long long windows = (p.rows + kTileRows - 1) / kTileRows;
-  if (!empty && (p.rows >= (1LL << 31) || p.num_groups * chunks >= (1LL << 31) || windows * chunks >= (1LL << 31))) {
+  if (!empty && (p.rows >= (1LL << 31) || p.num_groups * chunks >= (1LL << 31) || windows * chunks >= (1LL << 31) ||
+                 p.out_stride < p.rows)) {
     return cudaErrorInvalidValue;
   }
   // Two-pass path with offsets: every row's group starts at -1 (outside every segment); without

@@ -399,7 +399,10 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   const c10::cuda::CUDAGuard guard(packed.device());
   moe_fp4::Mxfp4ToFp8ColsParams p{};
   p.segments = segments_of(split_lens, split_offsets, packed);
-  Tensor out = at::empty({h, n}, packed.options().dtype(at::kFloat8_e4m3fn));
+  // [H, N] at a row stride of N rounded up to 32 bytes (whole-sector stores; FP8 GEMMs take it as it is),
+  // as formats.mxfp4_rows_to_fp8_cols returns it
+  const int64_t out_stride = (n + 31) / 32 * 32;
+  Tensor out = at::empty({h, out_stride}, packed.options().dtype(at::kFloat8_e4m3fn)).narrow(1, 0, n);
   // [H, G] outer-dim-major (strides (1, H)), as formats.mxfp4_rows_to_fp8_cols returns it
   Tensor out_scales = at::empty({num_groups, h}, packed.options().dtype(at::kFloat)).t();
   Tensor group_offsets = at::empty({p.segments.num + 1}, packed.options().dtype(at::kLong));
@@ -414,6 +417,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.scales = scales.data_ptr<uint8_t>();
   p.scales_stride = scales.stride(0);
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
+  p.out_stride = out_stride;
   p.out_scales = out_scales.data_ptr<float>();
   p.group_offsets = reinterpret_cast<long long*>(group_offsets.data_ptr<int64_t>());
   p.workspace = reinterpret_cast<long long*>(workspace.data_ptr<int64_t>());

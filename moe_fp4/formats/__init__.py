@@ -16,7 +16,14 @@ range, a negative amax) are skipped while torch.compile traces a caller, since e
 host synchronisation; shape, dtype and argument checks always run.
 """
 
-from moe_fp4.formats.convert import FP8_GROUP, FP8_HEADROOM_EXP, mxfp4_rows_to_fp8_cols, mxfp4_to_fp8_blockwise
+from moe_fp4.formats.convert import (
+    FP8_COLS_ROW_ALIGN,
+    FP8_GROUP,
+    FP8_HEADROOM_EXP,
+    fp8_cols_row_stride,
+    mxfp4_rows_to_fp8_cols,
+    mxfp4_to_fp8_blockwise,
+)
 from moe_fp4.formats.elements import (
     E2M1,
     E2M3,
@@ -61,11 +68,11 @@ from moe_fp4.formats.swizzle import from_blackwell_scale_layout, to_blackwell_sc
 
 __all__ = [
     "E2M1", "E2M3", "E3M2", "E4M3", "E5M2", "ELEMENT_FORMATS", "ElementFormat",
-    "FP8_GROUP", "FP8_HEADROOM_EXP", "MX_BLOCK", "NVFP4_BLOCK",
+    "FP8_COLS_ROW_ALIGN", "FP8_GROUP", "FP8_HEADROOM_EXP", "MX_BLOCK", "NVFP4_BLOCK",
     "check_splits", "decode_elements", "decode_table", "decode_ue8m0", "dequantize_fp8_blockwise",
     "dequantize_mx", "dequantize_mxfp4", "dequantize_mxfp6", "dequantize_mxfp8", "dequantize_nvfp4",
     "dequantize_nvfp4_rows",
-    "encode_elements", "encode_ue8m0", "from_blackwell_scale_layout", "group_by_expert",
+    "encode_elements", "encode_ue8m0", "fp8_cols_row_stride", "from_blackwell_scale_layout", "group_by_expert",
     "mx_scale_bytes", "mxfp4_row_bytes", "mxfp4_rows_to_fp8_cols", "mxfp4_to_fp8_blockwise",
     "nvfp4_global_scale", "nvfp4_row_bytes", "pack_fp4", "pack_mxfp4_rows", "pack_nvfp4_rows", "pow2_float32",
     "quantize_fp8_blockwise",

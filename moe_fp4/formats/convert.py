@@ -12,7 +12,11 @@ A group with a 0xFF (NaN) block scale gets scale NaN and zero data.
 Column conversion, ``mxfp4_rows_to_fp8_cols`` (the wgrad operand): rows grouped by expert are
 dequantized (exactly, in float32), transposed, and requantized to FP8 blockwise along the token
 dimension, in groups of 128 tokens that start at each expert's first row (the last group of an
-expert may be shorter; it is quantized as if padded with zeros). Its FP32 scales [H, G] are stored
+expert may be shorter; it is quantized as if padded with zeros). Its E4M3 data [H, N] has a row
+stride of N rounded up to 32 bytes (``fp8_cols_row_stride``): a view of an [H, stride] buffer, so that
+every row starts on a 32-byte sector whatever N (a kernel writing 128 tokens of a row then writes
+whole sectors, and FP8 GEMMs take the operand as it is: their leading dimension must be a multiple
+of 16 bytes); the padding bytes are not part of the tensor. Its FP32 scales [H, G] are stored
 outer-dim-major (strides (1, H), the transpose of a contiguous [G, H]): the layout in which
 ``torch._scaled_mm``'s blockwise 1x128 scaling takes a left operand's scales, and one in which a
 kernel converting 128 tokens x 256 hidden columns writes its scales as 1 KB in one piece.
@@ -30,6 +34,7 @@ from moe_fp4.formats.packing import unpack_fp4
 from moe_fp4.formats.ragged import check_splits
 
 FP8_GROUP = 128
+FP8_COLS_ROW_ALIGN = 32  # bytes: the row stride of mxfp4_rows_to_fp8_cols' data is a multiple of this
 FP8_HEADROOM_EXP = 6  # 6 * 2^6 = 384 <= 448: the E2M1 range sits at the top of E4M3's
 
 
@@ -69,6 +74,12 @@ def mxfp4_to_fp8_blockwise(
     return out.reshape(*lead, k).view(torch.float8_e4m3fn), fp32_scales, underflow
 
 
+def fp8_cols_row_stride(n: int) -> int:
+    """Row stride (elements = bytes) of the [H, N] E4M3 data of mxfp4_rows_to_fp8_cols: N rounded up to
+    FP8_COLS_ROW_ALIGN."""
+    return -(-n // FP8_COLS_ROW_ALIGN) * FP8_COLS_ROW_ALIGN
+
+
 def mxfp4_rows_to_fp8_cols(
     packed: torch.Tensor,
     scales: torch.Tensor,
@@ -79,8 +90,9 @@ def mxfp4_rows_to_fp8_cols(
 
     packed uint8 [N, H/2], scales uint8 [N, H/32]; split_lens int [E] rows per expert, split_offsets
     int [E] (None: back to back from row 0). Returns
-      data float8_e4m3fn [H, N]: expert e's rows r in [off_e, off_e + len_e) become columns of the same
-        index (columns of rows outside every segment are zero);
+      data float8_e4m3fn [H, N] with strides (fp8_cols_row_stride(N), 1): expert e's rows r in
+        [off_e, off_e + len_e) become columns of the same index (columns of rows outside every
+        segment are zero);
       scales float32 [H, G], G = sum_e ceil(len_e / 128), outer-dim-major (strides (1, H)): expert
         e's groups are the columns [goff_e, goff_e + ceil(len_e/128));
       group_offsets int64 [E + 1]: goff_e, then G.
@@ -92,7 +104,7 @@ def mxfp4_rows_to_fp8_cols(
     offs = check_splits(split_lens, split_offsets, n).cpu().tolist()
     lens = split_lens.to(torch.int64).cpu().tolist()
     values = dequantize_mxfp4(packed, scales)  # exact
-    data = torch.zeros(k, n, dtype=torch.uint8, device=packed.device)
+    data = torch.zeros(k, fp8_cols_row_stride(n), dtype=torch.uint8, device=packed.device)[:, :n]
     group_counts = [-(-ln // FP8_GROUP) for ln in lens]
     goffs = [0]
     for c in group_counts:

@@ -427,19 +427,21 @@ def mxfp4_rows_to_fp8_cols(
 
     packed uint8 [N, H/2], scales uint8 [N, H/32] (H a multiple of 128); split_lens int [E],
     split_offsets int [E] or None (back to back from row 0); validated as formats.check_splits does.
-    Returns (data float8_e4m3fn [H, N]: columns of rows outside every segment are zero;
+    Returns (data float8_e4m3fn [H, N], rows N rounded up to 32 bytes apart (strides
+               (formats.fp8_cols_row_stride(N), 1), as the spec; FP8 GEMMs take it as it is): columns
+               of rows outside every segment are zero;
              scales float32 [H, G], G = sum_e ceil(len_e / 128), outer-dim-major (strides (1, H),
                as the spec and as torch._scaled_mm takes 1x128 scales): expert e owns columns
                [goff_e, goff_e + ceil(len_e / 128));
              group_offsets int64 [E + 1] on the input's device: goff_e, then G).
 
-    Speed: segments that all start on 32-row boundaries take one kernel; any other start takes two
+    Speed: segments that all start on 16-row boundaries take one kernel; any other start takes two
     passes, because the output bytes of a group boundary would otherwise be written partly by each
-    group (H200, 32 experts at N = 32768, H = 7168: 112 us with equal experts, 127 us with
-    segments on 32-row boundaries, 164 us ragged). Callers that can pad expert segments to
-    multiples of 32 rows (128 for the fastest path: back to back from row 0) get the one-pass
-    kernel. The split lengths are read once on the host to plan this, which synchronises with the
-    device.
+    group (H200, 32 experts at N = 32768, H = 7168: 112 us with lengths that are multiples of 128,
+    120 us of 32, 128 us of 16, 161 us ragged). Callers that can pad expert segments to multiples of
+    16 rows (as grouped FP8 GEMMs want them anyway; 128 for the fastest path: back to back from row
+    0) get the one-pass kernel. The split lengths are read once on the host to plan this, which
+    synchronises with the device.
     """
     _packed_scales(packed, scales)
     _splits(split_lens, split_offsets, packed, required=True)

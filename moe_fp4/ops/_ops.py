@@ -221,7 +221,7 @@ def _(rows, hidden, split_lens, split_offsets):
     return _fake_fp8_rows(rows, rows.shape[0], hidden)
 
 
-COLUMN_SECTOR_ROWS = 32  # rows per 32-byte sector of the column-major E4M3 output
+COLUMN_PIECE_ROWS = 16  # rows per 16-byte store piece of the column-major E4M3 output
 
 
 def column_plan(
@@ -232,12 +232,13 @@ def column_plan(
     overlapping).
 
     G = sum_e ceil(len_e / 128). The one-pass kernel writes each 128-row group's columns as it
-    converts them: fast when every segment (hence every group) starts on a 32-row boundary, so that
-    each 32-byte sector of the [H, N] output belongs to one group. A segment starting anywhere else
-    leaves sectors shared by two groups, each written partially (a DRAM read per partial sector);
-    then the two-pass kernels (scales first, then whole aligned sectors) are the faster ones (H200,
-    2026-11-25: 164 vs 244 us for 32 ragged experts at N = 32768, H = 7168; 162 vs 112 us for equal
-    ones).
+    converts them, in whole aligned 16-byte pieces when every segment (hence every group) starts on a
+    16-row boundary (the output's rows start on 32-byte sectors whatever N). A segment starting
+    anywhere else leaves pieces shared by two groups, each written partly by byte stores (a DRAM read
+    per partial sector); then the two-pass kernels (scales first, then whole aligned pieces) are the
+    faster ones. H200, 32 experts at N = 32768, H = 7168, 2026-11-25: lengths multiples of 128 (equal
+    or not) 112 us one pass against 160 two-pass; of 32 rows 120 against 159; of 16 rows 128 against
+    160; of 8 rows 176 against 160; any lengths 247 against 161.
 
     full_groups: the segments lie back to back from row 0 and every length is a multiple of 128, so
     scale group g is rows [128 g, 128 g + 128); the one-pass kernel then loads a group's rows while it
@@ -254,7 +255,7 @@ def column_plan(
     lens = lens.to(torch.int64)
     groups = int(((lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
     used = lens > 0
-    two_pass = bool((starts[used] % COLUMN_SECTOR_ROWS != 0).any())
+    two_pass = bool((starts[used] % COLUMN_PIECE_ROWS != 0).any())
     packed_from_zero = bool((starts[used] == split_offsets_of(lens)[used]).all())
     full_groups = packed_from_zero and bool((lens % formats.FP8_GROUP == 0).all())
     return groups, two_pass, full_groups
@@ -279,7 +280,7 @@ def _(packed, scales, split_lens, split_offsets):
     n, h = packed.shape[0], packed.shape[1] * 2
     groups = torch.library.get_ctx().new_dynamic_size()
     return (
-        packed.new_empty((h, n), dtype=FP8),
+        packed.new_empty((h, formats.fp8_cols_row_stride(n)), dtype=FP8)[:, :n],  # rows 32-byte aligned, as the spec
         packed.new_empty((groups, h), dtype=torch.float32).t(),  # [H, G] outer-dim-major, as the spec
         packed.new_empty((split_lens.shape[0] + 1,), dtype=torch.int64),
     )
