@@ -427,12 +427,12 @@ def test_outputs_on_current_stream():
 
 
 def test_opcheck_cuda():
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)  # finite: opcheck compares with NaN != NaN
+    x = torch.randn(70, 256, device="cuda", dtype=torch.bfloat16)  # finite: opcheck compares with NaN != NaN
     packed, scales = formats.quantize_mxfp4(x)
     rows = formats.pack_mxfp4_rows(packed, scales)
     lens = torch.tensor([10, 0, 1, 40], device="cuda")
-    out = torch.zeros(70, rows.shape[1], dtype=torch.uint8, device="cuda")
-    index = torch.randperm(70, device="cuda")[:64]
+    out = torch.zeros(76, rows.shape[1], dtype=torch.uint8, device="cuda")
+    index = torch.randperm(76, device="cuda")[:70]  # 70 rows: the column op's padded row stride (96)
     for op, args in [
         (_ops.quantize_mxfp4_op, (x, "up")),
         (_ops.quantize_mxfp4_rows_op, (x, "down")),
@@ -456,12 +456,13 @@ def test_selfcheck_driver():
 @pytest.mark.parametrize("gaps", [False, True])
 def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
     """The one-pass and the two-pass column paths give the spec's bits on the same inputs, whichever
-    the op would choose (column_plan: one pass when every segment starts on a 32-row boundary)."""
+    the op would choose (column_plan: one pass when every segment starts on a 16-row boundary; here
+    some start at 16 mod 32, sharing a 32-byte sector with the previous group)."""
     t, h = 4099, 2048
     packed, scales = _mxfp4_input(t, h)
     if aligned:
-        lens = torch.tensor([0, 32, 256, 1024, 96, 0, 64, 2048], device="cuda")
-        offs = torch.tensor([t, 4032, 0, 2816, 256, t, 3872, 512], device="cuda") if gaps else None
+        lens = torch.tensor([0, 48, 256, 1024, 80, 0, 64, 2048], device="cuda")
+        offs = torch.tensor([t, 4016, 0, 2816, 256, t, 3856, 512], device="cuda") if gaps else None
     else:
         lens, offs = _small_expert_splits(t, gaps)
     groups, chosen, full = _ops.column_plan(lens, offs, t)

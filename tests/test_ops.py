@@ -245,7 +245,7 @@ def test_native_unavailable_on_cpu_build():
 
 def test_column_plan_groups_path_and_validation():
     """The column op's host plan: G = sum ceil(len/128), one pass only when every non-empty segment
-    starts on a 32-row boundary, and the splits validated as formats.check_splits does."""
+    starts on a 16-row boundary, and the splits validated as formats.check_splits does."""
     from moe_fp4.ops._ops import column_plan
 
     lens = torch.tensor([0, 32, 256, 129, 0, 64])
@@ -262,6 +262,8 @@ def test_column_plan_groups_path_and_validation():
     assert column_plan(torch.tensor([256, 128]), torch.tensor([0, 384]), 600) == (3, False, False)  # a gap
     assert column_plan(torch.tensor([256, 128]), torch.tensor([128, 0]), 600) == (3, False, False)  # reordered
     assert column_plan(torch.tensor([256, 96]), None, 600) == (3, False, False)  # 96: not a whole group
+    assert column_plan(torch.tensor([16, 32, 5]), None, 60) == (3, False, False)  # starts 0, 16, 48: one pass
+    assert column_plan(torch.tensor([8, 32]), None, 60) == (2, True, False)  # a start at 8: two passes
     with pytest.raises(ValueError, match="split_lens"):
         column_plan(torch.tensor([300, 301]), None, 600)
     with pytest.raises(ValueError, match="overlap"):

@@ -2,7 +2,7 @@
 //   FP4RowToFP8Row: one warp per row, half an MX block (8 packed bytes in, one 16-byte store out) per
 //     lane and item; the E4M3 byte of each E2M1 code comes from a byte permute over a small remap
 //     table indexed by the block's shift below the group's largest scale (no float arithmetic).
-//   FP4RowToFP8Col, one pass (every segment starting on a 32-row boundary): one CTA per scale group
+//   FP4RowToFP8Col, one pass (every segment starting on a 16-row boundary): one CTA per scale group
 //     (<= 128 rows of one expert, found on the device from the split lengths) and 256 hidden columns
 //     reads the group's rows as coalesced 128-byte pieces, takes the columns' maxima, converts, and
 //     writes the group's part of the column-major output through a transposed tile in shared memory.
@@ -559,7 +559,7 @@ __device__ __forceinline__ void store_range16(uint8_t* dst, const uint32_t (&v)[
 }
 
 // A [256 column][128 row] tile (tile_slot layout) to the column-major output: columns [0, ncols) at
-// out0 + c n, rows [0, cnt) of each. Whole aligned 16-byte chunks when every column starts 16-byte
+// out0 + c n (n: the output's row stride), rows [0, cnt) of each. Whole aligned 16-byte chunks when every column starts 16-byte
 // aligned (4 full 128-byte lines per warp instruction with cnt 128; a partial last chunk by bytes),
 // else 16-byte pieces aligned in global memory, shifted out of the tile, with byte stores only at the
 // two ends (the bytes around belong to neighbouring groups).
@@ -896,8 +896,9 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
 // The tile kernel's loads, conversion and stores (steps 3 and 4) without its maxima: each row takes
 // its group's record from the first pass (the group of every row from row_groups, -1 outside every
 // segment: zero codes). The window owns every byte of its output columns (rows of any number of
-// groups and experts, and rows outside every segment, which become zero), so with N a multiple of 16
-// every store is a whole aligned 16-byte piece that no other CTA writes. A warp's 16 rows take the
+// groups and experts, and rows outside every segment, which become zero), so every store is a whole
+// aligned 16-byte piece that no other CTA writes (the output's row stride is a multiple of 32; only
+// the last window's tail, past N, is stored by bytes). A warp's 16 rows take the
 // records of the groups of its first and last rows (a warp whose rows meet a third group, possible
 // only with groups shorter than 16 rows, converts per element with each row's own record). Windows
 // run last first: the rows the first pass read last may still be in the L2.

@@ -384,7 +384,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
 // packed uint8 [N, H/2], scales uint8 [N, H/32], split_lens [E] (and offsets) -> (e4m3 [H, N],
 // float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller, and so
 // is the choice of path: one pass (each group's columns written as they are converted) or two passes
-// (scales first, then whole aligned 32-byte sectors; for segments that start off a 32-row boundary);
+// (scales first, then whole aligned 16-byte pieces; for segments that start off a 16-row boundary);
 // full_groups: the segments are back to back from row 0 with lengths that are multiples of 128.
 std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
