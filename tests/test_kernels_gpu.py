@@ -576,6 +576,38 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     _equal(got, want, ("data, one-row segments, flag set wrongly", "scales", "group_offsets"))
 
 
+def test_mxfp4_rows_to_fp8_cols_group_hints():
+    """Segments on 16-row boundaries, not full groups, with the host's group table
+    (_ops.column_group_hints): the one-pass kernel loads each group's rows before its own look-up and
+    checks them against it. The spec's bits with the table right, shifted by 16 rows, with every count
+    128, for the first half of the groups only, and absent; through the op; a table on the GPU is
+    refused."""
+    t, h = 3000, 2048
+    packed, scales = _mxfp4_input(t, h)
+    lens = torch.tensor([48, 0, 256, 1008, 80, 16, 512, 144], device="cuda")  # rows past them stay zero
+    lens_h, starts = _ops._host_splits(lens, None, t)
+    groups, two_pass, full = _ops._plan_from_host(lens_h, starts)
+    assert not two_pass and not full
+    hints = _ops.column_group_hints(lens_h, starts)
+    counts128 = hints.clone()
+    counts128[:, 1] = 128
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
+    native = ops.build()
+    for name, table in (("right", hints), ("shifted", hints + torch.tensor([16, 0], dtype=torch.int32)),
+                        ("counts 128", counts128), ("half", hints[: groups // 2]), ("none", None)):
+        _dirty_cache(4 * t * h)
+        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, table)
+        _equal(got, want, (f"data, table {name}", f"scales, table {name}", f"group_offsets, table {name}"))
+    _dirty_cache(4 * t * h)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
+    lens32 = torch.tensor([64, 0, 256, 1024, 96, 32, 512, 128], device="cuda")  # the op passes its table
+    _dirty_cache(4 * t * h)
+    _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens32), formats.mxfp4_rows_to_fp8_cols(packed, scales, lens32),
+           ("op data, 32-row starts", "op scales, 32-row starts", "op group_offsets, 32-row starts"))
+    with pytest.raises(RuntimeError, match="group_hints"):
+        native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, hints.cuda())
+
+
 def test_fp8_rows_zero_experts_zero_every_row():
     """An empty split (zero experts) leaves every row outside every segment: zero data, zero scales,
     no underflow, as the spec (an empty tensor's null data pointer must not read as "no split")."""

@@ -272,3 +272,24 @@ def test_column_plan_groups_path_and_validation():
         column_plan(torch.tensor([100, 100]), torch.tensor([0, 50, 7]), 600)
     with pytest.raises(ValueError, match="split_offsets"):
         column_plan(torch.tensor([100, 100]), torch.tensor([0, 550]), 600)
+
+
+def test_column_group_hints_list_every_group():
+    """The one-pass kernel's group table: each scale group's first row and row count, expert by expert
+    (empty experts have none), against a loop over the experts; random lengths and offsets."""
+    from moe_fp4.ops._ops import _host_splits, column_group_hints
+
+    for _ in range(5):
+        lens = torch.randint(0, 400, (9,))
+        lens[int(torch.randint(0, 9, ()))] = 0
+        order = torch.randperm(9)
+        offs = torch.empty(9, dtype=torch.int64)
+        offs[order] = torch.cumsum(lens[order], 0) - lens[order]
+        n = int(lens.sum()) + 5
+        for o in (None, offs):
+            host_lens, starts = _host_splits(lens, o, n)
+            want = [(int(starts[e]) + 128 * j, min(128, int(lens[e]) - 128 * j))
+                    for e in range(9) for j in range(-(-int(lens[e]) // 128))]
+            got = column_group_hints(host_lens, starts)
+            assert got.dtype == torch.int32 and got.shape == (len(want), 2)
+            assert [tuple(r) for r in got.tolist()] == want

@@ -120,10 +120,15 @@ struct Mxfp4ToFp8ColsParams {
   uint8_t* col_records;        // [G, H/8] 16-byte records (16-byte aligned): per scale group and 8
                                // hidden columns, the 8 scale bytes used to convert, then min | max << 8
   int* row_groups;             // int32 [ceil(N/128) * 128] (16-byte aligned): scale group of each row, -1 outside
+  const int* group_hints;      // host int32 [num_group_hints, 2] or nullptr: each scale group's first row and
+                               // row count as the caller planned them (one-pass kernel: loads before its
+                               // look-up, checked against it; used up to kMaxColumnGroupHints groups)
+  int num_group_hints;
   bool full_groups;            // the caller knows the segments are back to back from row 0 with lengths that
                                // are multiples of 128: group g is rows [128 g, 128 g + 128), so the one-pass
                                // kernel may load them before its look-up (checked against it afterwards)
 };
+constexpr int kMaxColumnGroupHints = 1024;
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream);
 
 // BF16 -> FP8 1x128: x [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128].

@@ -509,9 +509,10 @@ __global__ void __launch_bounds__(kThreads, 5)
 
 // ---- FP4RowToFP8Col as CTA tiles: one CTA per (scale group, 256 hidden columns). ----
 // Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a time);
-// with full_groups the other warps do not wait for it (step 1 runs on the rows loaded early, and the
-// look-up is checked at step 1's barrier; H200, 32 equal experts at 32768 x 7168, together with the
-// CTA index divided by multiply and shifts: 112.1 against 117.3 us).
+// with full_groups, or a group table from the caller (GroupHints), the other warps do not wait for it
+// (step 1 runs on the rows loaded early, and the look-up is checked at step 1's barrier; H200, 32
+// equal experts at 32768 x 7168, together with the CTA index divided by multiply and shifts: 112.1
+// against 117.3 us; with the table, lengths multiples of 32: 125-128 -> 113-118 us).
 // Warp w loads rows 16 w .. 16 w + 15 of the group as coalesced 128-byte row pieces (lane l: the 4
 // packed bytes of hidden columns 8 l .. 8 l + 7, all in one MX block, and that block's scale byte); no
 // staging. Then:
@@ -644,11 +645,18 @@ __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uin
   }
 }
 
+// The caller's group table, a kernel parameter (constant bank): each CTA loads its group's rows before
+// warp 0's look-up answers, as with full_groups, and checks them against it.
+struct GroupHints {
+  int num;                       // groups described (0: none)
+  int2 g[kMaxColumnGroupHints];  // first row, row count
+};
+
 // 4 CTAs per SM (64 registers) with word loads; 2 with byte loads, which spill at 3 (the binding sends
 // them only one-row views with an odd stride).
 template <bool kVec4>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
-    sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups) {
+    sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups, const GroupHints hints) {
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* tile = smem;
   uint4* keys = reinterpret_cast<uint4*>(smem + kTileKeys);
@@ -693,9 +701,16 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       }
     }
   };
-  const long long early_row0 = static_cast<long long>(g) * kTileRows;
-  const bool early = kVec4 && p.full_groups && ch < chunks && g < p.num_groups && early_row0 + kTileRows <= p.rows;
-  if (early) load_rows(early_row0, kTileRows);
+  long long early_row0 = static_cast<long long>(g) * kTileRows;
+  int early_cnt = kTileRows;
+  if (!p.full_groups && g < hints.num) {
+    const int2 h = hints.g[g];
+    early_row0 = h.x;
+    early_cnt = h.y;
+  }
+  const bool early = kVec4 && (p.full_groups || g < hints.num) && ch < chunks && g < p.num_groups &&
+                     early_row0 >= 0 && early_cnt > 0 && early_cnt <= kTileRows && early_row0 + early_cnt <= p.rows;
+  if (early) load_rows(early_row0, early_cnt);
   if (warp == 0) {
     // The experts' exclusive prefix of rows and scale groups, 32 at a time: the group offsets (block
     // 0), this CTA's group (its expert's lane), the rows the segments cover.
@@ -766,7 +781,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     __syncthreads();
     row0 = s_row0;
     cnt = s_cnt;
-    if (row0 != early_row0 || cnt != kTileRows) {
+    if (row0 != early_row0 || cnt != early_cnt) {
       if (cnt > 0) {
         load_rows(row0, cnt);
         column_keys();
@@ -1083,10 +1098,13 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     // Rows outside every segment are zeroed by a grid-stride loop over warps after the tiles.
     if (p.segments.offsets != nullptr && blocks * kColWarps < p.rows) blocks = (p.rows + kColWarps - 1) / kColWarps;
     if (blocks < 1) blocks = 1;
+    GroupHints hints;
+    hints.num = p.group_hints != nullptr && p.num_group_hints <= kMaxColumnGroupHints ? p.num_group_hints : 0;
+    for (int i = 0; i < hints.num; ++i) hints.g[i] = make_int2(p.group_hints[2 * i], p.group_hints[2 * i + 1]);
     auto launch = [&](auto kernel) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
       kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
-          p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)));
+          p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)), hints);
     };
     if (vec4) launch(sm90_cols_tile_kernel<true>);
     else launch(sm90_cols_tile_kernel<false>);

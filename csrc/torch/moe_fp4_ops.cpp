@@ -385,11 +385,14 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
 // float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller, and so
 // is the choice of path: one pass (each group's columns written as they are converted) or two passes
 // (scales first, then whole aligned 16-byte pieces; for segments that start off a 16-row boundary);
-// full_groups: the segments are back to back from row 0 with lengths that are multiples of 128.
+// full_groups: the segments are back to back from row 0 with lengths that are multiples of 128;
+// group_hints (CPU int32 [G, 2], optional): each scale group's first row and row count as the caller
+// planned them, so that the one-pass kernel loads a group's rows before its own look-up (checked).
 std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
                                                      const std::optional<Tensor>& split_offsets,
-                                                     int64_t num_groups, bool two_pass, bool full_groups) {
+                                                     int64_t num_groups, bool two_pass, bool full_groups,
+                                                     const std::optional<Tensor>& group_hints) {
   check_packed_scales(packed, scales);
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
@@ -428,6 +431,16 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.hidden = checked_hidden(h, "packed");
   p.num_groups = num_groups;
   p.full_groups = full_groups;
+  Tensor hints_host;
+  if (group_hints.has_value()) {  // each group's first row and row count, as the caller planned them
+    hints_host = group_hints->contiguous();
+    TORCH_CHECK(hints_host.device().is_cpu() && hints_host.scalar_type() == at::kInt && hints_host.dim() == 2 &&
+                    hints_host.size(1) == 2,
+                "group_hints: expected a CPU int32 tensor [G, 2] (first row, row count), got ",
+                hints_host.device(), " ", hints_host.scalar_type(), " ", hints_host.sizes());
+    p.group_hints = hints_host.data_ptr<int>();
+    p.num_group_hints = static_cast<int>(std::min<int64_t>(hints_host.size(0), moe_fp4::kMaxColumnGroupHints + 1));
+  }
   check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
   return {out, out_scales, group_offsets};
 }
@@ -661,7 +674,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
-        py::arg("two_pass"), py::arg("full_groups") = false);
+        py::arg("two_pass"), py::arg("full_groups") = false, py::arg("group_hints") = py::none());
   m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
   m.def("quantize_fp8_rows_cols", &quantize_fp8_rows_cols, "float [M,K] -> FP8 1x128 of x and of x^T (padded)",
         py::arg("x"));

@@ -224,6 +224,20 @@ def _(rows, hidden, split_lens, split_offsets):
 COLUMN_PIECE_ROWS = 16  # rows per 16-byte store piece of the column-major E4M3 output
 
 
+def _host_splits(
+    split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lens, starts), int64 on the host, from one read of the splits, validated as formats.check_splits
+    does (ValueError for segments outside the rows or overlapping)."""
+    if split_offsets is not None and split_offsets.shape == split_lens.shape:
+        host = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).cpu()
+        lens, offs = host[0], host[1]
+    else:  # back to back, or offsets check_splits rejects before reading them
+        lens, offs = split_lens.cpu(), split_offsets
+    starts = check_splits(lens, offs, total_rows)
+    return lens.to(torch.int64), starts.to(torch.int64)
+
+
 def column_plan(
     split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
 ) -> tuple[int, bool, bool]:
@@ -246,13 +260,10 @@ def column_plan(
     experts at N = 32768: 145 against 150 us for the early loads, 2026-11-24; with the keys, 112
     against 117 us together with the CTA index division, 2026-11-25).
     """
-    if split_offsets is not None and split_offsets.shape == split_lens.shape:
-        host = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).cpu()
-        lens, offs = host[0], host[1]
-    else:  # back to back, or offsets check_splits rejects before reading them
-        lens, offs = split_lens.cpu(), split_offsets
-    starts = check_splits(lens, offs, total_rows)
-    lens = lens.to(torch.int64)
+    return _plan_from_host(*_host_splits(split_lens, split_offsets, total_rows))
+
+
+def _plan_from_host(lens: torch.Tensor, starts: torch.Tensor) -> tuple[int, bool, bool]:
     groups = int(((lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP).sum())
     used = lens > 0
     two_pass = bool((starts[used] % COLUMN_PIECE_ROWS != 0).any())
@@ -261,15 +272,39 @@ def column_plan(
     return groups, two_pass, full_groups
 
 
+COLUMN_GROUP_HINTS_MAX = 1024  # csrc/kernels/sm90_launchers.h: kMaxColumnGroupHints
+
+
+def column_group_hints(lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """int32 [G, 2] on the host: each scale group's first row and row count, in group order (expert by
+    expert), from the host splits. The one-pass kernel takes it as a launch parameter (up to
+    COLUMN_GROUP_HINTS_MAX groups) and loads a group's rows before its own look-up answers, which it
+    checks them against. The op passes it when every segment starts on a 32-row boundary (H200, 32
+    experts, H = 7168, 2026-11-25: lengths multiples of 32 at N = 32768, 125-128 -> 113-118 us;
+    multiples of 128 at N = 32770, 124-126 -> 113-115 us); with starts at 16 mod 32 it measured
+    slower (131-135 -> 126-141 us), so it is left out there."""
+    per = (lens + formats.FP8_GROUP - 1) // formats.FP8_GROUP
+    expert = torch.repeat_interleave(torch.arange(len(lens)), per)
+    j = torch.arange(int(per.sum())) - torch.repeat_interleave(torch.cumsum(per, 0) - per, per)
+    first = starts[expert] + formats.FP8_GROUP * j
+    count = torch.clamp(lens[expert] - formats.FP8_GROUP * j, max=formats.FP8_GROUP)
+    return torch.stack((first, count), dim=1).to(torch.int32)
+
+
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
 def mxfp4_rows_to_fp8_cols_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
-        groups, two_pass, full_groups = column_plan(split_lens, split_offsets, packed.shape[0])
+        lens, starts = _host_splits(split_lens, split_offsets, packed.shape[0])
+        groups, two_pass, full_groups = _plan_from_host(lens, starts)
+        hints = None
+        if not two_pass and not full_groups and 0 < groups <= COLUMN_GROUP_HINTS_MAX:
+            if bool((starts[lens > 0] % (2 * COLUMN_PIECE_ROWS) == 0).all()):
+                hints = column_group_hints(lens, starts)
         return _native.module().mxfp4_to_fp8_cols(
-            packed, scales, split_lens, split_offsets, groups, two_pass, full_groups
+            packed, scales, split_lens, split_offsets, groups, two_pass, full_groups, hints
         )
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)

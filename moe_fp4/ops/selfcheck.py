@@ -65,6 +65,12 @@ def run(device: str = "cuda") -> bool:
         got3 = ops.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens32)
         for got, w, what in zip(got3, want, ("data", "scales", "goffs")):
             ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} one pass {what}", got, w)
+        # starts on 32-row boundaries: the one pass with the host's group table (rows loaded early)
+        lens_t = torch.tensor([64, 0, 32, 96, 7], dtype=torch.int64, device=device)
+        want = formats.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens_t)
+        got3 = ops.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens_t)
+        for got, w, what in zip(got3, want, ("data", "scales", "goffs")):
+            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} one pass, group table {what}", got, w)
         p[1, :4] = 0x88
         bad = s.clone()
         bad[0, 0], bad[1, 1], bad[2, :] = 0xFF, 254, 0
