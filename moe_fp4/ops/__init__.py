@@ -438,10 +438,10 @@ def mxfp4_rows_to_fp8_cols(
     Speed: segments that all start on 16-row boundaries take one kernel; any other start takes two
     passes, because the output bytes of a group boundary would otherwise be written partly by each
     group (H200, 32 experts at N = 32768, H = 7168: 112 us with lengths that are multiples of 128,
-    120 us of 32, 128 us of 16, 161 us ragged). Callers that can pad expert segments to multiples of
-    16 rows (as grouped FP8 GEMMs want them anyway; 128 for the fastest path: back to back from row
-    0) get the one-pass kernel. The split lengths are read once on the host to plan this, which
-    synchronises with the device.
+    113-118 us of 32, 126-141 us of 16, 161 us ragged; about the same at N = 32770). Callers that
+    can pad expert segments to multiples of 16 rows (as grouped FP8 GEMMs want them anyway; 32 or
+    128 for the fastest paths) get the one-pass kernel. The split lengths are read once on the host
+    to plan this (and to give the kernel each group's rows), which synchronises with the device.
     """
     _packed_scales(packed, scales)
     _splits(split_lens, split_offsets, packed, required=True)
