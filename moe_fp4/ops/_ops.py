@@ -251,8 +251,9 @@ def column_plan(
     anywhere else leaves pieces shared by two groups, each written partly by byte stores (a DRAM read
     per partial sector); then the two-pass kernels (scales first, then whole aligned pieces) are the
     faster ones. H200, 32 experts at N = 32768, H = 7168, 2026-11-25: lengths multiples of 128 (equal
-    or not) 112 us one pass against 160 two-pass; of 32 rows 120 against 159; of 16 rows 128 against
-    160; of 8 rows 176 against 160; any lengths 247 against 161.
+    or not) 112 us one pass against 160 two-pass; of 32 rows 120 against 159 (113-118 with the group
+    table, column_group_hints); of 16 rows 128 against 160; of 8 rows 176 against 160; any lengths
+    247 against 161.
 
     full_groups: the segments lie back to back from row 0 and every length is a multiple of 128, so
     scale group g is rows [128 g, 128 g + 128); the one-pass kernel then loads a group's rows while it
