@@ -293,3 +293,18 @@ def test_column_group_hints_list_every_group():
             got = column_group_hints(host_lens, starts)
             assert got.dtype == torch.int32 and got.shape == (len(want), 2)
             assert [tuple(r) for r in got.tolist()] == want
+
+
+def test_column_op_traces_with_a_symbolic_token_count():
+    """torch.compile (full graph, dynamic shapes) traces the column op through its fake for a symbolic N:
+    the padded row stride is an expression of N, and the results equal the spec for several N."""
+    compiled = torch.compile(lambda p, s, lens: _ops.mxfp4_rows_to_fp8_cols_op(p, s, lens, None),
+                             backend="aot_eager", dynamic=True, fullgraph=True)
+    for n in (33, 70, 96):
+        packed, scales = _mxfp4(n, 128)
+        lens = torch.tensor([n - 20, 0, 20])
+        got = compiled(packed, scales, lens)
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
+        for g, w, what in zip(got, want, ("data", "scales", "group_offsets")):
+            assert_bitwise_equal(g, w, f"N={n} {what}")
+        assert got[0].stride() == (formats.fp8_cols_row_stride(n), 1)
