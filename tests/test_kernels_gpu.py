@@ -585,10 +585,10 @@ def test_mxfp4_rows_to_fp8_cols_group_hints():
     t, h = 3000, 2048
     packed, scales = _mxfp4_input(t, h)
     lens = torch.tensor([48, 0, 256, 1008, 80, 16, 512, 144], device="cuda")  # rows past them stay zero
-    lens_h, starts = _ops._host_splits(lens, None, t)
-    groups, two_pass, full = _ops._plan_from_host(lens_h, starts)
+    groups, two_pass, full = _ops.column_plan(lens, None, t)
     assert not two_pass and not full
-    hints = _ops.column_group_hints(lens_h, starts)
+    assert _ops.column_launch(lens, None, t)[3] is None  # starts at 16 mod 32: the op passes no table
+    hints = _ops.column_group_hints(*_ops._host_splits(lens, None, t))
     counts128 = hints.clone()
     counts128[:, 1] = 128
     want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
@@ -601,6 +601,7 @@ def test_mxfp4_rows_to_fp8_cols_group_hints():
     _dirty_cache(4 * t * h)
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
     lens32 = torch.tensor([64, 0, 256, 1024, 96, 32, 512, 128], device="cuda")  # the op passes its table
+    assert _ops.column_launch(lens32, None, t)[3] is not None
     _dirty_cache(4 * t * h)
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens32), formats.mxfp4_rows_to_fp8_cols(packed, scales, lens32),
            ("op data, 32-row starts", "op scales, 32-row starts", "op group_offsets, 32-row starts"))

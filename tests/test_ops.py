@@ -308,3 +308,17 @@ def test_column_op_traces_with_a_symbolic_token_count():
         for g, w, what in zip(got, want, ("data", "scales", "group_offsets")):
             assert_bitwise_equal(g, w, f"N={n} {what}")
         assert got[0].stride() == (formats.fp8_cols_row_stride(n), 1)
+
+
+def test_column_launch_passes_the_table_on_32_row_starts():
+    """The op's native arguments: column_plan's three and the group table only for a one-pass plan of
+    groups that are not full ones, every segment starting on a 32-row boundary."""
+    from moe_fp4.ops._ops import _host_splits, column_group_hints, column_launch, column_plan
+
+    lens = torch.tensor([64, 0, 32, 96, 7])
+    got = column_launch(lens, None, 200)
+    assert got[:3] == column_plan(lens, None, 200) == (4, False, False)
+    assert torch.equal(got[3], column_group_hints(*_host_splits(lens, None, 200)))
+    assert column_launch(torch.tensor([48, 80]), None, 200)[3] is None  # a start at 16 mod 32
+    assert column_launch(torch.tensor([8, 32]), None, 200)[3] is None  # two passes
+    assert column_launch(torch.tensor([256, 128]), None, 400)[3] is None  # full groups

@@ -263,41 +263,42 @@ def column_plan(
     experts at N = 32768: 145 against 150 us for the early loads, 2026-11-24; with the keys, 112
     against 117 us together with the CTA index division, 2026-11-25).
     """
-    return _plan_from_host(*_host_splits(split_lens, split_offsets, total_rows))
+    return _plan(*_host_lists(split_lens, split_offsets, total_rows))[:3]
 
 
-def _plan_from_host(lens: torch.Tensor, starts: torch.Tensor) -> tuple[int, bool, bool]:
-    # Python integers: the op waits on the device for the splits, so this host time is on the critical
-    # path (32 experts: about 10 us, against about 45 us as small tensor operations)
+def _host_lists(
+    split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
+) -> tuple[list[int], list[int]]:
+    lens, starts = _host_splits(split_lens, split_offsets, total_rows)
+    return lens.tolist(), starts.tolist()
+
+
+def _plan(lens: list[int], starts: list[int]) -> tuple[int, bool, bool, bool]:
+    """(G, two_pass, full_groups, every segment starting on a 32-row boundary) in one pass over Python
+    integers: the op waits on the device for the splits, so this host time is on the critical path (32
+    experts: about 10 us, against about 45 us as small tensor operations)."""
     group = formats.FP8_GROUP
-    groups, two_pass, from_zero, whole, row = 0, False, True, True, 0
-    for ln, st in zip(lens.tolist(), starts.tolist()):
+    groups, two_pass, on32, from_zero, whole, row = 0, False, True, True, True, 0
+    for ln, st in zip(lens, starts):
         groups += -(-ln // group)
         if ln > 0:
             two_pass |= st % COLUMN_PIECE_ROWS != 0
+            on32 &= st % (2 * COLUMN_PIECE_ROWS) == 0
             from_zero &= st == row
         whole &= ln % group == 0
         row += ln
-    return groups, two_pass, from_zero and whole
+    return groups, two_pass, from_zero and whole, on32
 
 
-COLUMN_GROUP_HINTS_MAX = 1024  # csrc/kernels/sm90_launchers.h: kMaxColumnGroupHints
+COLUMN_GROUP_HINTS_MAX = 1024  # csrc/kernels/sm90_launchers.h: kMaxColumnGroupHints (the binding ignores more)
 
 
-def column_group_hints(lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """int32 [G, 2] on the host: each scale group's first row and row count, in group order (expert by
-    expert), from the host splits. The one-pass kernel takes it as a launch parameter (up to
-    COLUMN_GROUP_HINTS_MAX groups) and loads a group's rows before its own look-up answers, which it
-    checks them against. The op passes it when every segment starts on a 32-row boundary (H200, 32
-    experts, H = 7168, 2026-11-25: lengths multiples of 32 at N = 32768, 125-128 -> 113-118 us;
-    multiples of 128 at N = 32770, 124-126 -> 113-115 us); with starts at 16 mod 32 it measured
-    slower (131-135 -> 126-141 us), so it is left out there."""
-    # Host time on the op's critical path, as _plan_from_host: a few C-level calls per expert (32
-    # experts, 288 groups: about 30 us on a slow host, against 70-100 us per group in Python or as
-    # small tensor operations)
+def _group_table(lens: list[int], starts: list[int]) -> torch.Tensor:
+    # A few C-level calls per expert (32 experts, 288 groups: about 40 us on a slow host, against
+    # 70-100 us per group in Python or as small tensor operations)
     group = formats.FP8_GROUP
     first, count = array.array("i"), array.array("i")
-    for ln, st in zip(lens.tolist(), starts.tolist()):
+    for ln, st in zip(lens, starts):
         whole, rest = divmod(ln, group)
         first.extend(range(st, st + ln, group))
         count.extend([group] * whole)
@@ -308,20 +309,39 @@ def column_group_hints(lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor
     return torch.stack((torch.frombuffer(first, dtype=torch.int32), torch.frombuffer(count, dtype=torch.int32)), dim=1)
 
 
+def column_group_hints(lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+    """int32 [G, 2] on the host: each scale group's first row and row count, in group order (expert by
+    expert), from the host splits (_host_splits). The one-pass kernel takes it as a launch parameter
+    (up to COLUMN_GROUP_HINTS_MAX groups) and loads a group's rows before its own look-up answers,
+    which it checks them against."""
+    return _group_table(lens.tolist(), starts.tolist())
+
+
+def column_launch(
+    split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
+) -> tuple[int, bool, bool, torch.Tensor | None]:
+    """The native column op's plan arguments as the op passes them: column_plan's (G, two_pass,
+    full_groups) and the group table (column_group_hints) or None, from one host read of the splits.
+    The table goes with the one pass when the groups are not full ones and every segment starts on a
+    32-row boundary (H200, 32 experts, H = 7168, 2026-11-25: lengths multiples of 32 at N = 32768,
+    125-128 -> 113-118 us; multiples of 128 at N = 32770, 124-126 -> 113-115 us); with starts at 16 mod
+    32 it measured slower (131-135 -> 126-141 us), so it is left out there."""
+    lens, starts = _host_lists(split_lens, split_offsets, total_rows)
+    groups, two_pass, full_groups, on32 = _plan(lens, starts)
+    table = None
+    if not two_pass and not full_groups and on32 and 0 < groups <= COLUMN_GROUP_HINTS_MAX:
+        table = _group_table(lens, starts)
+    return groups, two_pass, full_groups, table
+
+
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
 def mxfp4_rows_to_fp8_cols_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
-        lens, starts = _host_splits(split_lens, split_offsets, packed.shape[0])
-        groups, two_pass, full_groups = _plan_from_host(lens, starts)
-        hints = None
-        if not two_pass and not full_groups and 0 < groups <= COLUMN_GROUP_HINTS_MAX:
-            if bool((starts[lens > 0] % (2 * COLUMN_PIECE_ROWS) == 0).all()):
-                hints = column_group_hints(lens, starts)
         return _native.module().mxfp4_to_fp8_cols(
-            packed, scales, split_lens, split_offsets, groups, two_pass, full_groups, hints
+            packed, scales, split_lens, split_offsets, *column_launch(split_lens, split_offsets, packed.shape[0])
         )
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)

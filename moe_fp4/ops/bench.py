@@ -151,10 +151,8 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         # the same cuts rounded down to 32 rows (segments padded as grouped FP8 GEMMs want them): one
         # pass with the host's group table, as the op runs it
         plens = torch.diff(torch.cat([torch.tensor([0]), cuts // 32 * 32, torch.tensor([t])])).cuda()
-        host_lens, starts = _ops._host_splits(plens, None, t)
-        pplan = _ops._plan_from_host(host_lens, starts)
-        table = _ops.column_group_hints(host_lens, starts) if not pplan[1] and not pplan[2] else None
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], plens, None, *pplan, table), ns, reps)
+        launch = _ops.column_launch(plens, None, t)
+        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
         add(f"FP4RowToFP8Col {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record
         for name, ls, (g, two, full) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
