@@ -25,6 +25,14 @@ def _same(name: str, got, want) -> bool:
     return ok
 
 
+def _same_cols(name: str, p, s, lens, offs=None) -> bool:
+    """The column op against the spec: data, scales and group offsets."""
+    want = formats.mxfp4_rows_to_fp8_cols(p, s, lens, offs)
+    got = ops.mxfp4_rows_to_fp8_cols(p, s, lens, offs)
+    return all([_same(f"mxfp4_rows_to_fp8_cols {name} {what}", g, w)
+                for g, w, what in zip(got, want, ("data", "scales", "goffs"))])
+
+
 def run(device: str = "cuda") -> bool:
     ok = True
     lens = torch.tensor([130, 0, 1, 77, 5], dtype=torch.int64, device=device)
@@ -52,34 +60,22 @@ def run(device: str = "cuda") -> bool:
         got = ops.mxfp4_rows_to_fp8_blockwise(rows, h, lens, offs)
         want = ops._ops._spec_fp8_rows(p, s, lens, offs)
         ok &= _same(f"mxfp4_rows_to_fp8_blockwise h={h} (splits) data", got[0], want[0])
-        want = formats.mxfp4_rows_to_fp8_cols(p, s, lens, offs)
-        for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, s, lens, offs), want, ("data", "scales", "goffs")):
-            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} {what}", got, w)
-        want = formats.mxfp4_rows_to_fp8_cols(p, s, lens)
-        for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, s, lens), want, ("data", "scales", "goffs")):
-            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} back to back {what}", got, w)
+        ok &= _same_cols(f"h={h}", p, s, lens, offs)
+        ok &= _same_cols(f"h={h} back to back", p, s, lens)
         # segments starting on 16-row boundaries: the one-pass column path (those above take two passes)
         lens32 = torch.tensor([64, 0, 48, 80, 7], dtype=torch.int64, device=device)
         assert not ops._ops.column_plan(lens32, None, 199)[1] and ops._ops.column_plan(lens, offs, n)[1]
-        want = formats.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens32)
-        got3 = ops.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens32)
-        for got, w, what in zip(got3, want, ("data", "scales", "goffs")):
-            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} one pass {what}", got, w)
+        ok &= _same_cols(f"h={h} one pass", p[:199], s[:199], lens32)
         # starts on 32-row boundaries: the one pass with the host's group table (rows loaded early)
         lens_t = torch.tensor([64, 0, 32, 96, 7], dtype=torch.int64, device=device)
-        want = formats.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens_t)
-        got3 = ops.mxfp4_rows_to_fp8_cols(p[:199], s[:199], lens_t)
-        for got, w, what in zip(got3, want, ("data", "scales", "goffs")):
-            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} one pass, group table {what}", got, w)
+        ok &= _same_cols(f"h={h} one pass, group table", p[:199], s[:199], lens_t)
         p[1, :4] = 0x88
         bad = s.clone()
         bad[0, 0], bad[1, 1], bad[2, :] = 0xFF, 254, 0
         ok &= _same(f"dequantize_mxfp4 h={h}", ops.dequantize_mxfp4(p, bad),
                     formats.dequantize_mxfp4(p, bad, dtype=torch.bfloat16))
         bad[3, 2] = 252  # the two-pass scale kernel's exact fallback for the top scale bytes
-        want = formats.mxfp4_rows_to_fp8_cols(p, bad, lens)
-        for got, w, what in zip(ops.mxfp4_rows_to_fp8_cols(p, bad, lens), want, ("data", "scales", "goffs")):
-            ok &= _same(f"mxfp4_rows_to_fp8_cols h={h} top scale bytes {what}", got, w)
+        ok &= _same_cols(f"h={h} top scale bytes", p, bad, lens)
         q, qs = ops.quantize_fp8_blockwise(x)
         qr, qsr = formats.quantize_fp8_blockwise(x, block=(1, 128))
         ok &= _same(f"quantize_fp8_blockwise h={h}", q, qr) & _same("  scales", qs, qsr)
