@@ -440,6 +440,7 @@ def test_opcheck_cuda():
         (_ops.mxfp4_to_fp8_blockwise_op, (packed, scales, lens, None)),
         (_ops.mxfp4_rows_to_fp8_blockwise_op, (rows, 256, lens, None)),
         (_ops.mxfp4_rows_to_fp8_cols_op, (packed, scales, lens, None)),  # the native strides against the fake
+        (_ops.mxfp4_rows_to_fp8_cols_op, (packed, scales, lens.cpu(), None)),  # splits on the host
         (_ops.quantize_fp8_blockwise_op, (x,)),
         (_ops.dequantize_mxfp4_op, (packed, scales, torch.bfloat16)),
     ]:
@@ -576,37 +577,85 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     _equal(got, want, ("data, one-row segments, flag set wrongly", "scales", "group_offsets"))
 
 
-def test_mxfp4_rows_to_fp8_cols_group_hints():
-    """Segments on 16-row boundaries, not full groups, with the host's group table
-    (_ops.column_group_hints): the one-pass kernel loads each group's rows before its own look-up and
-    checks them against it. The spec's bits with the table right, shifted by 16 rows, with every count
-    128, for the first half of the groups only, and absent; through the op; a table on the GPU is
-    refused."""
+def test_mxfp4_rows_to_fp8_cols_group_table():
+    """Segments on 16-row boundaries, not full groups, with host splits passed (_ops.column_launch): the
+    launcher derives each scale group's first row and count (native column_group_table), which the
+    one-pass kernel loads before its own look-up and checks against it. The spec's bits with the splits
+    right, their first rows shifted by 16, their lengths rounded up to 128, the first half of the
+    experts only, and absent; through the op; splits on the GPU are refused."""
     t, h = 3000, 2048
     packed, scales = _mxfp4_input(t, h)
     lens = torch.tensor([48, 0, 256, 1008, 80, 16, 512, 144], device="cuda")  # rows past them stay zero
     groups, two_pass, full = _ops.column_plan(lens, None, t)
     assert not two_pass and not full
-    assert _ops.column_launch(lens, None, t)[3] is None  # starts at 16 mod 32: the op passes no table
-    hints = _ops.column_group_hints(*_ops._host_splits(lens, None, t))
-    counts128 = hints.clone()
-    counts128[:, 1] = 128
+    assert _ops.column_launch(lens, None, t)[3] is None  # starts at 16 mod 32: the op passes no splits
+    host = _ops._host_splits(lens, None, t)
+    shifted, rounded = host.clone(), host.clone()
+    shifted[1] += 16
+    rounded[0] = (rounded[0] + 127) // 128 * 128
     want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
     native = ops.build()
-    for name, table in (("right", hints), ("shifted", hints + torch.tensor([16, 0], dtype=torch.int32)),
-                        ("counts 128", counts128), ("half", hints[: groups // 2]), ("none", None)):
+    for name, splits in (("right", host), ("shifted", shifted), ("rounded up", rounded),
+                         ("half", host[:, : host.shape[1] // 2]), ("none", None)):
         _dirty_cache(4 * t * h)
-        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, table)
-        _equal(got, want, (f"data, table {name}", f"scales, table {name}", f"group_offsets, table {name}"))
+        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, splits)
+        _equal(got, want, (f"data, splits {name}", f"scales, splits {name}", f"group_offsets, splits {name}"))
     _dirty_cache(4 * t * h)
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
-    lens32 = torch.tensor([64, 0, 256, 1024, 96, 32, 512, 128], device="cuda")  # the op passes its table
+    lens32 = torch.tensor([64, 0, 256, 1024, 96, 32, 512, 128], device="cuda")  # the op passes its splits
     assert _ops.column_launch(lens32, None, t)[3] is not None
     _dirty_cache(4 * t * h)
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens32), formats.mxfp4_rows_to_fp8_cols(packed, scales, lens32),
            ("op data, 32-row starts", "op scales, 32-row starts", "op group_offsets, 32-row starts"))
-    with pytest.raises(RuntimeError, match="group_hints"):
-        native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, hints.cuda())
+    with pytest.raises(RuntimeError, match="host_splits"):
+        native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.cuda())
+    with pytest.raises(RuntimeError, match="host_splits"):
+        native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.to(torch.int32))
+
+
+def test_column_group_table_lists_every_group():
+    """The launcher's derivation of the scale groups from host splits (native column_group_table):
+    each group's first row and row count, expert by expert, empty experts having none, against a loop
+    over the experts; random lengths (some empty) and offsets in a random order."""
+    native = ops.build()
+    for _ in range(5):
+        lens = torch.randint(0, 700, (9,))
+        lens[int(torch.randint(0, 9, ()))] = 0
+        order = torch.randperm(9)
+        offs = torch.empty(9, dtype=torch.int64)
+        offs[order] = torch.cumsum(lens[order], 0) - lens[order]
+        want = [(int(offs[e]) + 128 * j, min(128, int(lens[e]) - 128 * j))
+                for e in range(9) for j in range(-(-int(lens[e]) // 128))]
+        got = native.column_group_table(torch.stack((lens, offs)))
+        assert got.dtype == torch.int32 and got.shape == (len(want), 2)
+        assert [tuple(r) for r in got.tolist()] == want
+
+
+def test_mxfp4_rows_to_fp8_cols_host_splits():
+    """Splits given on the CPU (int32 and int64, back to back and with offsets; one-pass and two-pass
+    plans): the op's bits equal the spec's, as with the same splits on the GPU, and the caller's host
+    tensors may change right after the call without changing the result (the op copies them). Splits on
+    another device than the input's, or offsets on another device than the lengths, are refused."""
+    t, h = 2000, 512
+    packed, scales = _mxfp4_input(t, h)
+    ragged = torch.tensor([300, 0, 1, 777, 5, 600])
+    offs = torch.tensor([1200, 0, 1100, 0, 1101, 1390])
+    for lens, o in ((torch.tensor([64, 0, 256, 1024, 96]), None), (ragged, None), (ragged, offs)):
+        for dtype in (torch.int32, torch.int64):
+            hl, ho = lens.to(dtype).clone(), None if o is None else o.to(dtype).clone()
+            want = formats.mxfp4_rows_to_fp8_cols(packed, scales, hl, ho)
+            _dirty_cache(4 * t * h)
+            got = ops.mxfp4_rows_to_fp8_cols(packed, scales, hl, ho)
+            hl.fill_(0)  # the caller reuses its tensors at once
+            if ho is not None:
+                ho.fill_(0)
+            _equal(got, want, (f"data {dtype}", f"scales {dtype}", f"group_offsets {dtype}"))
+            assert got[2].device == packed.device
+    with pytest.raises(ValueError, match="split_offsets: expected device"):
+        ops.mxfp4_rows_to_fp8_cols(packed, scales, ragged, offs.cuda())
+    with pytest.raises(ValueError, match="split_lens: expected device"):
+        ops.mxfp4_rows_to_fp8_blockwise(ops.quantize_mxfp4_rows(torch.randn(8, 256, device="cuda")),
+                                        256, torch.tensor([8]))
 
 
 def test_fp8_rows_zero_experts_zero_every_row():

@@ -274,10 +274,11 @@ def test_column_plan_groups_path_and_validation():
         column_plan(torch.tensor([100, 100]), torch.tensor([0, 550]), 600)
 
 
-def test_column_group_hints_list_every_group():
-    """The one-pass kernel's group table: each scale group's first row and row count, expert by expert
-    (empty experts have none), against a loop over the experts; random lengths and offsets."""
-    from moe_fp4.ops._ops import _host_splits, column_group_hints
+def test_host_splits_are_lengths_then_first_rows():
+    """The column op's host read of the splits: int64 [2, E] of lengths, then first rows (the offsets
+    given, or back to back), a new tensor even when the caller's splits are int64 on the CPU; random
+    lengths and offsets."""
+    from moe_fp4.ops._ops import _host_splits
 
     for _ in range(5):
         lens = torch.randint(0, 400, (9,))
@@ -286,13 +287,13 @@ def test_column_group_hints_list_every_group():
         offs = torch.empty(9, dtype=torch.int64)
         offs[order] = torch.cumsum(lens[order], 0) - lens[order]
         n = int(lens.sum()) + 5
-        for o in (None, offs):
-            host_lens, starts = _host_splits(lens, o, n)
-            want = [(int(starts[e]) + 128 * j, min(128, int(lens[e]) - 128 * j))
-                    for e in range(9) for j in range(-(-int(lens[e]) // 128))]
-            got = column_group_hints(host_lens, starts)
-            assert got.dtype == torch.int32 and got.shape == (len(want), 2)
-            assert [tuple(r) for r in got.tolist()] == want
+        for o, starts in ((None, torch.cumsum(lens, 0) - lens), (offs, offs)):
+            got = _host_splits(lens, o, n)
+            assert got.dtype == torch.int64 and got.device.type == "cpu" and got.shape == (2, 9)
+            assert torch.equal(got[0], lens) and torch.equal(got[1], starts)
+            assert got.data_ptr() not in (lens.data_ptr(), offs.data_ptr())
+            got32 = _host_splits(lens.to(torch.int32), None if o is None else o.to(torch.int32), n)
+            assert torch.equal(got32, got)
 
 
 def test_column_op_traces_with_a_symbolic_token_count():
@@ -311,14 +312,15 @@ def test_column_op_traces_with_a_symbolic_token_count():
 
 
 def test_column_launch_passes_the_table_on_32_row_starts():
-    """The op's native arguments: column_plan's three and the group table only for a one-pass plan of
-    groups that are not full ones, every segment starting on a 32-row boundary."""
-    from moe_fp4.ops._ops import _host_splits, column_group_hints, column_launch, column_plan
+    """The op's native arguments: column_plan's three and the host splits (from which the launcher
+    derives the group table) only for a one-pass plan of groups that are not full ones, every segment
+    starting on a 32-row boundary."""
+    from moe_fp4.ops._ops import _host_splits, column_launch, column_plan
 
     lens = torch.tensor([64, 0, 32, 96, 7])
     got = column_launch(lens, None, 200)
     assert got[:3] == column_plan(lens, None, 200) == (4, False, False)
-    assert torch.equal(got[3], column_group_hints(*_host_splits(lens, None, 200)))
+    assert torch.equal(got[3], _host_splits(lens, None, 200))
     assert column_launch(torch.tensor([48, 80]), None, 200)[3] is None  # a start at 16 mod 32
     assert column_launch(torch.tensor([8, 32]), None, 200)[3] is None  # two passes
     assert column_launch(torch.tensor([256, 128]), None, 400)[3] is None  # full groups

@@ -120,15 +120,28 @@ struct Mxfp4ToFp8ColsParams {
   uint8_t* col_records;        // [G, H/8] 16-byte records (16-byte aligned): per scale group and 8
                                // hidden columns, the 8 scale bytes used to convert, then min | max << 8
   int* row_groups;             // int32 [ceil(N/128) * 128] (16-byte aligned): scale group of each row, -1 outside
-  const int* group_hints;      // host int32 [num_group_hints, 2] or nullptr: each scale group's first row and
-                               // row count as the caller planned them (one-pass kernel: loads before its
-                               // look-up, checked against it; used up to kMaxColumnGroupHints groups)
-  int num_group_hints;
+  const long long* host_splits;  // host int64 [2, num_host_splits] or nullptr: the segments' lengths, then
+                                 // their first rows, as the caller read them. The launcher derives each
+                                 // scale group's first row and row count (column_groups_of) for the one-pass
+                                 // kernel, which loads a group's rows before its own look-up and checks
+                                 // them against it (up to kMaxColumnGroupHints groups; none past that)
+  int num_host_splits;
   bool full_groups;            // the caller knows the segments are back to back from row 0 with lengths that
                                // are multiples of 128: group g is rows [128 g, 128 g + 128), so the one-pass
                                // kernel may load them before its look-up (checked against it afterwards)
 };
 constexpr int kMaxColumnGroupHints = 1024;
+// Each scale group's first row and row count, expert by expert (FP8 groups of 128 rows from each
+// segment's first row; empty segments have none), from host arrays of num lengths and first rows:
+// emit(first, count) for each, in order; returns the number of groups.
+template <typename Emit>
+long long column_groups_of(const long long* lens, const long long* starts, int num, Emit emit) {
+  long long groups = 0;
+  for (int e = 0; e < num; ++e) {
+    for (long long j = 0; j < lens[e]; j += 128, ++groups) emit(starts[e] + j, lens[e] - j < 128 ? lens[e] - j : 128);
+  }
+  return groups;
+}
 cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream);
 
 // BF16 -> FP8 1x128: x [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128].

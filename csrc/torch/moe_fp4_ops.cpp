@@ -6,6 +6,8 @@
 #include <pybind11/stl.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <climits>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -386,13 +388,38 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
 // is the choice of path: one pass (each group's columns written as they are converted) or two passes
 // (scales first, then whole aligned 16-byte pieces; for segments that start off a 16-row boundary);
 // full_groups: the segments are back to back from row 0 with lengths that are multiples of 128;
-// group_hints (CPU int32 [G, 2], optional): each scale group's first row and row count as the caller
-// planned them, so that the one-pass kernel loads a group's rows before its own look-up (checked).
+// host_splits (CPU int64 [2, E], optional): the segments' lengths and first rows as the caller read
+// them; the launcher derives each scale group's rows from them, so that the one-pass kernel loads a
+// group's rows before its own look-up (checked against it: wrong splits cost time, not bytes).
+// A CPU int64 [2, E] tensor of segment lengths and first rows, contiguous.
+Tensor checked_host_splits(const Tensor& splits) {
+  TORCH_CHECK(splits.device().is_cpu() && splits.scalar_type() == at::kLong && splits.dim() == 2 && splits.size(0) == 2,
+              "host_splits: expected a CPU int64 tensor [2, E] (lengths, first rows), got ", splits.device(), " ",
+              splits.scalar_type(), " ", splits.sizes());
+  TORCH_CHECK(splits.size(1) <= INT_MAX, "host_splits: too many segments (", splits.size(1), ")");
+  return splits.contiguous();
+}
+
+// The scale groups the launcher derives from host splits: int32 [G, 2] (first row, row count), expert by expert.
+Tensor column_group_table(const Tensor& host_splits) {
+  const Tensor s = checked_host_splits(host_splits);
+  const long long* v = reinterpret_cast<const long long*>(s.data_ptr<int64_t>());
+  const int e = static_cast<int>(s.size(1));
+  std::vector<int> flat;
+  moe_fp4::column_groups_of(v, v + e, e, [&](long long first, long long count) {
+    flat.push_back(static_cast<int>(first));
+    flat.push_back(static_cast<int>(count));
+  });
+  Tensor out = at::empty({static_cast<int64_t>(flat.size() / 2), 2}, s.options().dtype(at::kInt));
+  std::copy(flat.begin(), flat.end(), out.data_ptr<int>());
+  return out;
+}
+
 std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
                                                      const std::optional<Tensor>& split_offsets,
                                                      int64_t num_groups, bool two_pass, bool full_groups,
-                                                     const std::optional<Tensor>& group_hints) {
+                                                     const std::optional<Tensor>& host_splits) {
   check_packed_scales(packed, scales);
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
@@ -431,15 +458,11 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   p.hidden = checked_hidden(h, "packed");
   p.num_groups = num_groups;
   p.full_groups = full_groups;
-  Tensor hints_host;
-  if (group_hints.has_value()) {  // each group's first row and row count, as the caller planned them
-    hints_host = group_hints->contiguous();
-    TORCH_CHECK(hints_host.device().is_cpu() && hints_host.scalar_type() == at::kInt && hints_host.dim() == 2 &&
-                    hints_host.size(1) == 2,
-                "group_hints: expected a CPU int32 tensor [G, 2] (first row, row count), got ",
-                hints_host.device(), " ", hints_host.scalar_type(), " ", hints_host.sizes());
-    p.group_hints = hints_host.data_ptr<int>();
-    p.num_group_hints = static_cast<int>(std::min<int64_t>(hints_host.size(0), moe_fp4::kMaxColumnGroupHints + 1));
+  Tensor splits_host;
+  if (host_splits.has_value()) {
+    splits_host = checked_host_splits(*host_splits);
+    p.host_splits = reinterpret_cast<const long long*>(splits_host.data_ptr<int64_t>());
+    p.num_host_splits = static_cast<int>(splits_host.size(1));
   }
   check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
   return {out, out_scales, group_offsets};
@@ -674,7 +697,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
-        py::arg("two_pass"), py::arg("full_groups") = false, py::arg("group_hints") = py::none());
+        py::arg("two_pass"), py::arg("full_groups") = false, py::arg("host_splits") = py::none());
+  m.def("column_group_table", &column_group_table,
+        "The scale groups (first row, row count) that the column op's launcher derives from host splits",
+        py::arg("host_splits"));
   m.def("quantize_fp8_blockwise", &quantize_fp8_blockwise, "float [T,H] -> FP8 1x128", py::arg("x"));
   m.def("quantize_fp8_rows_cols", &quantize_fp8_rows_cols, "float [M,K] -> FP8 1x128 of x and of x^T (padded)",
         py::arg("x"));

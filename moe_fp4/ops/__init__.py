@@ -122,7 +122,8 @@ def _same_device(t, ref, name):
         raise ValueError(f"{name}: expected device {ref.device}, got {t.device}")
 
 
-def _splits(split_lens, split_offsets, ref, required=False):
+def _splits(split_lens, split_offsets, ref, required=False, host_ok=False):
+    # host_ok: the op reads the splits on the host anyway and takes them from the CPU as well
     if split_lens is None:
         if required:
             raise ValueError("split_lens: expected an int32/int64 tensor [E], got None")
@@ -130,10 +131,11 @@ def _splits(split_lens, split_offsets, ref, required=False):
             raise ValueError("split_offsets: given without split_lens")
         return
     _tensor(split_lens, "split_lens", _INDEX, 1)
-    _same_device(split_lens, ref, "split_lens")
+    if not (host_ok and split_lens.device.type == "cpu"):
+        _same_device(split_lens, ref, "split_lens")
     if split_offsets is not None:
         _tensor(split_offsets, "split_offsets", (split_lens.dtype,), 1)
-        _same_device(split_offsets, ref, "split_offsets")
+        _same_device(split_offsets, split_lens, "split_offsets")
         if split_offsets.shape != split_lens.shape:
             raise ValueError(f"split_offsets: expected shape {tuple(split_lens.shape)}, "
                              f"got {tuple(split_offsets.shape)}")
@@ -426,7 +428,8 @@ def mxfp4_rows_to_fp8_cols(
     (formats.mxfp4_rows_to_fp8_cols: dequantize, transpose, requantize 1x128 along the tokens).
 
     packed uint8 [N, H/2], scales uint8 [N, H/32] (H a multiple of 128); split_lens int [E],
-    split_offsets int [E] or None (back to back from row 0); validated as formats.check_splits does.
+    split_offsets int [E] or None (back to back from row 0), both on the input's device or both on
+    the CPU; validated as formats.check_splits does.
     Returns (data float8_e4m3fn [H, N], rows N rounded up to 32 bytes apart (strides
                (formats.fp8_cols_row_stride(N), 1), as the spec; FP8 GEMMs take it as it is): columns
                of rows outside every segment are zero;
@@ -441,10 +444,12 @@ def mxfp4_rows_to_fp8_cols(
     113-118 us of 32, 126-141 us of 16, 161 us ragged; about the same at N = 32770). Callers that
     can pad expert segments to multiples of 16 rows (as grouped FP8 GEMMs want them anyway; 32 or
     128 for the fastest paths) get the one-pass kernel. The split lengths are read once on the host
-    to plan this (and to give the kernel each group's rows), which synchronises with the device.
+    to plan this (and to give the kernel each group's rows). Splits on the device make that read wait
+    for the device; splits on the CPU (as a dispatch layer often has them) do not: the op copies them
+    to the device without waiting and returns while the kernels run.
     """
     _packed_scales(packed, scales)
-    _splits(split_lens, split_offsets, packed, required=True)
+    _splits(split_lens, split_offsets, packed, required=True, host_ok=True)
     return _ops.mxfp4_rows_to_fp8_cols_op(packed, scales, split_lens, split_offsets)
 
 

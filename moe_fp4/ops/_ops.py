@@ -7,8 +7,6 @@ moe_fp4.ops check their arguments (ValueError naming the argument) and call thes
 
 from __future__ import annotations
 
-import array
-
 import torch
 
 from moe_fp4 import formats
@@ -228,16 +226,17 @@ COLUMN_PIECE_ROWS = 16  # rows per 16-byte store piece of the column-major E4M3 
 
 def _host_splits(
     split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(lens, starts), int64 on the host, from one read of the splits, validated as formats.check_splits
-    does (ValueError for segments outside the rows or overlapping)."""
+) -> torch.Tensor:
+    """int64 [2, E] on the host: the segments' lengths, then their first rows, from one read of the
+    splits, validated as formats.check_splits does (ValueError for segments outside the rows or
+    overlapping). A new tensor, never the caller's."""
     if split_offsets is not None and split_offsets.shape == split_lens.shape:
         host = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).cpu()
-        lens, offs = host[0], host[1]
-    else:  # back to back, or offsets check_splits rejects before reading them
-        lens, offs = split_lens.cpu(), split_offsets
-    starts = check_splits(lens, offs, total_rows)
-    return lens.to(torch.int64), starts.to(torch.int64)
+        check_splits(host[0], host[1], total_rows)
+        return host
+    # back to back, or offsets check_splits rejects before reading them
+    lens = split_lens.cpu()
+    return torch.stack((lens.to(torch.int64), check_splits(lens, split_offsets, total_rows).to(torch.int64)))
 
 
 def column_plan(
@@ -253,8 +252,8 @@ def column_plan(
     anywhere else leaves pieces shared by two groups, each written partly by byte stores (a DRAM read
     per partial sector); then the two-pass kernels (scales first, then whole aligned pieces) are the
     faster ones. H200, 32 experts at N = 32768, H = 7168, 2026-11-25: lengths multiples of 128 (equal
-    or not) 112 us one pass against 160 two-pass; of 32 rows 120 against 159 (113-118 with the group
-    table, column_group_hints); of 16 rows 128 against 160; of 8 rows 176 against 160; any lengths
+    or not) 112 us one pass against 160 two-pass; of 32 rows 120 against 159 (113-118 with the host
+    splits passed, column_launch); of 16 rows 128 against 160; of 8 rows 176 against 160; any lengths
     247 against 161.
 
     full_groups: the segments lie back to back from row 0 and every length is a multiple of 128, so
@@ -263,14 +262,8 @@ def column_plan(
     experts at N = 32768: 145 against 150 us for the early loads, 2026-11-24; with the keys, 112
     against 117 us together with the CTA index division, 2026-11-25).
     """
-    return _plan(*_host_lists(split_lens, split_offsets, total_rows))[:3]
-
-
-def _host_lists(
-    split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
-) -> tuple[list[int], list[int]]:
-    lens, starts = _host_splits(split_lens, split_offsets, total_rows)
-    return lens.tolist(), starts.tolist()
+    lens, starts = _host_splits(split_lens, split_offsets, total_rows).tolist()
+    return _plan(lens, starts)[:3]
 
 
 def _plan(lens: list[int], starts: list[int]) -> tuple[int, bool, bool, bool]:
@@ -290,48 +283,29 @@ def _plan(lens: list[int], starts: list[int]) -> tuple[int, bool, bool, bool]:
     return groups, two_pass, from_zero and whole, on32
 
 
-COLUMN_GROUP_HINTS_MAX = 1024  # csrc/kernels/sm90_launchers.h: kMaxColumnGroupHints (the binding ignores more)
+COLUMN_GROUP_HINTS_MAX = 1024  # csrc/kernels/sm90_launchers.h: kMaxColumnGroupHints (no table past it)
 
 
-def _group_table(lens: list[int], starts: list[int]) -> torch.Tensor:
-    # A few C-level calls per expert (32 experts, 288 groups: about 40 us on a slow host, against
-    # 70-100 us per group in Python or as small tensor operations)
-    group = formats.FP8_GROUP
-    first, count = array.array("i"), array.array("i")
-    for ln, st in zip(lens, starts):
-        whole, rest = divmod(ln, group)
-        first.extend(range(st, st + ln, group))
-        count.extend([group] * whole)
-        if rest:
-            count.append(rest)
-    if not first:
-        return torch.empty(0, 2, dtype=torch.int32)
-    return torch.stack((torch.frombuffer(first, dtype=torch.int32), torch.frombuffer(count, dtype=torch.int32)), dim=1)
-
-
-def column_group_hints(lens: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-    """int32 [G, 2] on the host: each scale group's first row and row count, in group order (expert by
-    expert), from the host splits (_host_splits). The one-pass kernel takes it as a launch parameter
-    (up to COLUMN_GROUP_HINTS_MAX groups) and loads a group's rows before its own look-up answers,
-    which it checks them against."""
-    return _group_table(lens.tolist(), starts.tolist())
+def _launch(host: torch.Tensor) -> tuple[int, bool, bool, torch.Tensor | None]:
+    lens, starts = host.tolist()
+    groups, two_pass, full_groups, on32 = _plan(lens, starts)
+    passed = not two_pass and not full_groups and on32 and 0 < groups <= COLUMN_GROUP_HINTS_MAX
+    return groups, two_pass, full_groups, host if passed else None
 
 
 def column_launch(
     split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
 ) -> tuple[int, bool, bool, torch.Tensor | None]:
     """The native column op's plan arguments as the op passes them: column_plan's (G, two_pass,
-    full_groups) and the group table (column_group_hints) or None, from one host read of the splits.
-    The table goes with the one pass when the groups are not full ones and every segment starts on a
-    32-row boundary (H200, 32 experts, H = 7168, 2026-11-25: lengths multiples of 32 at N = 32768,
-    125-128 -> 113-118 us; multiples of 128 at N = 32770, 124-126 -> 113-115 us); with starts at 16 mod
-    32 it measured slower (131-135 -> 126-141 us), so it is left out there."""
-    lens, starts = _host_lists(split_lens, split_offsets, total_rows)
-    groups, two_pass, full_groups, on32 = _plan(lens, starts)
-    table = None
-    if not two_pass and not full_groups and on32 and 0 < groups <= COLUMN_GROUP_HINTS_MAX:
-        table = _group_table(lens, starts)
-    return groups, two_pass, full_groups, table
+    full_groups) and the host splits (_host_splits: int64 [2, E], lengths then first rows) or None,
+    from one host read of the splits. From the host splits the launcher derives each scale group's
+    first row and row count (about 1 us for 300 groups; native column_group_table returns them), which
+    the one-pass kernel loads before its own look-up answers and checks against it. They go with the
+    one pass when the groups are not full ones and every segment starts on a 32-row boundary (H200,
+    32 experts, H = 7168, 2026-11-25: lengths multiples of 32 at N = 32768, 125-128 -> 113-118 us;
+    multiples of 128 at N = 32770, 124-126 -> 113-115 us); with starts at 16 mod 32 the table
+    measured slower (131-135 -> 126-141 us), so they are left out there."""
+    return _launch(_host_splits(split_lens, split_offsets, total_rows))
 
 
 @torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
@@ -340,9 +314,13 @@ def mxfp4_rows_to_fp8_cols_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
-        return _native.module().mxfp4_to_fp8_cols(
-            packed, scales, split_lens, split_offsets, *column_launch(split_lens, split_offsets, packed.shape[0])
-        )
+        host = _host_splits(split_lens, split_offsets, packed.shape[0])
+        if split_lens.device != packed.device:
+            # splits given on the CPU: no wait for the device. host is a new pageable tensor, staged at
+            # once by the copy, so the caller may reuse theirs.
+            dev = host.to(packed.device, non_blocking=True)
+            split_lens, split_offsets = dev[0], (dev[1] if split_offsets is not None else None)
+        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, *_launch(host))
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 

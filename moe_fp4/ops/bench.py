@@ -16,6 +16,7 @@ import datetime
 import json
 import statistics
 import subprocess
+import time
 
 import torch
 
@@ -37,6 +38,22 @@ def _median_us(fn, nsets: int, reps: int = 60, batch: int = 10) -> float:
             end.record()
         torch.cuda.synchronize()
         times += [s.elapsed_time(e) * 1e3 for s, e in events]
+    return statistics.median(times)
+
+
+def _call_us(fn, nsets: int, reps: int = 60, rounds: int = 5) -> float:
+    """Wall-clock time per call of fn in a loop of reps calls, synchronised at the end only: the host
+    time of the call (and any wait it makes for the device) included; median over rounds."""
+    for i in range(3):
+        fn(i % nsets)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for i in range(reps):
+            fn(i % nsets)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / reps * 1e6)
     return statistics.median(times)
 
 
@@ -154,6 +171,12 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         launch = _ops.column_launch(plens, None, t)
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
         add(f"FP4RowToFP8Col {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
+        # the public op per call, host time included (it reads the splits on the host): splits on the
+        # device (the read waits for the device each call) against the same splits on the CPU
+        for name, ls in ((f"{experts} experts", lens), (f"{experts} experts, 32-row starts", plens)):
+            for where, split in (("device", ls), ("host", ls.cpu())):
+                us = _call_us(lambda i, split=split: ops.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], split), ns, reps)
+                add(f"FP4RowToFP8Col op per call, {name}, {where} splits", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record
         for name, ls, (g, two, full) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
             us = _median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_to_fp8_cols(

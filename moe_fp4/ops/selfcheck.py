@@ -69,6 +69,9 @@ def run(device: str = "cuda") -> bool:
         # starts on 32-row boundaries: the one pass with the host's group table (rows loaded early)
         lens_t = torch.tensor([64, 0, 32, 96, 7], dtype=torch.int64, device=device)
         ok &= _same_cols(f"h={h} one pass, group table", p[:199], s[:199], lens_t)
+        # the same splits and ragged ones with offsets given on the host (copied to the device without waiting)
+        ok &= _same_cols(f"h={h} host splits, one pass", p[:199], s[:199], lens_t.cpu())
+        ok &= _same_cols(f"h={h} host splits, two passes", p, s, lens.cpu(), offs.cpu())
         p[1, :4] = 0x88
         bad = s.clone()
         bad[0, 0], bad[1, 1], bad[2, :] = 0xFF, 254, 0
