@@ -207,6 +207,43 @@ def test_fake_shapes():
         assert (v.shape, v.dtype) == ((6, 256), torch.bfloat16)
 
 
+def test_call_skips_the_dispatch_only_in_plain_eager_mode(monkeypatch):
+    """_ops.call runs an op's implementation directly for plain tensors outside torch.compile and any
+    torch function or dispatch mode, and through the custom op otherwise (its fake under tracing);
+    either way the results equal the spec's, and a mutated argument's version counter moves."""
+    x = torch.randn(6, 256, dtype=torch.bfloat16)
+    want = formats.quantize_mxfp4(x)
+    fn, mutated = _ops._IMPL[_ops.quantize_mxfp4_op]
+    direct = []
+    monkeypatch.setitem(_ops._IMPL, _ops.quantize_mxfp4_op, (lambda *a: direct.append(1) or fn(*a), mutated))
+    for got, w in zip(ops.quantize_mxfp4(x), want):
+        assert_bitwise_equal(got, w, "eager")
+    assert direct == [1]
+
+    class Seen(torch.utils._python_dispatch.TorchDispatchMode):
+        names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        got = ops.quantize_mxfp4(x)
+    assert direct == [1] and any("moe_fp4.quantize_mxfp4" in n or "moe_fp4::quantize_mxfp4" in n
+                                 for n in Seen.names), Seen.names
+    with torch.device("cpu"):  # a torch function mode
+        ops.quantize_mxfp4(x)
+    assert direct == [1]
+    compiled = torch.compile(lambda v: ops.quantize_mxfp4(v), backend="aot_eager", fullgraph=True)
+    for got, w in zip(compiled(x), want):
+        assert_bitwise_equal(got, w, "compiled")
+    assert direct == [1]
+    out = _u8(8, 136)
+    before = out._version
+    ops.quantize_mxfp4_rows(x, out=out, row_index=torch.tensor([7, 0, 2, 1, 5, 3]))
+    assert out._version > before
+
+
 def test_opcheck_cpu():
     x = torch.randn(4, 128, dtype=torch.bfloat16)  # finite: opcheck compares outputs with NaN != NaN
     packed, scales = formats.quantize_mxfp4(x)
@@ -275,10 +312,9 @@ def test_column_plan_groups_path_and_validation():
 
 
 def test_host_splits_are_lengths_then_first_rows():
-    """The column op's host read of the splits: int64 [2, E] of lengths, then first rows (the offsets
-    given, or back to back), a new tensor even when the caller's splits are int64 on the CPU; random
-    lengths and offsets."""
-    from moe_fp4.ops._ops import _host_splits
+    """The column op's host read of the splits: lengths, then first rows (the offsets given, or back to
+    back), as integers and as the int64 [2, E] tensor the native op takes; random lengths and offsets."""
+    from moe_fp4.ops._ops import _host_splits, _splits_tensor
 
     for _ in range(5):
         lens = torch.randint(0, 400, (9,))
@@ -288,12 +324,12 @@ def test_host_splits_are_lengths_then_first_rows():
         offs[order] = torch.cumsum(lens[order], 0) - lens[order]
         n = int(lens.sum()) + 5
         for o, starts in ((None, torch.cumsum(lens, 0) - lens), (offs, offs)):
-            got = _host_splits(lens, o, n)
+            assert _host_splits(lens, o, n) == (lens.tolist(), starts.tolist())
+            assert _host_splits(lens.to(torch.int32), None if o is None else o.to(torch.int32), n) == (
+                lens.tolist(), starts.tolist())
+            got = _splits_tensor(lens.tolist(), starts.tolist())
             assert got.dtype == torch.int64 and got.device.type == "cpu" and got.shape == (2, 9)
             assert torch.equal(got[0], lens) and torch.equal(got[1], starts)
-            assert got.data_ptr() not in (lens.data_ptr(), offs.data_ptr())
-            got32 = _host_splits(lens.to(torch.int32), None if o is None else o.to(torch.int32), n)
-            assert torch.equal(got32, got)
 
 
 def test_column_op_traces_with_a_symbolic_token_count():
@@ -315,12 +351,12 @@ def test_column_launch_passes_the_table_on_32_row_starts():
     """The op's native arguments: column_plan's three and the host splits (from which the launcher
     derives the group table) only for a one-pass plan of groups that are not full ones, every segment
     starting on a 32-row boundary."""
-    from moe_fp4.ops._ops import _host_splits, column_launch, column_plan
+    from moe_fp4.ops._ops import column_launch, column_plan
 
     lens = torch.tensor([64, 0, 32, 96, 7])
     got = column_launch(lens, None, 200)
     assert got[:3] == column_plan(lens, None, 200) == (4, False, False)
-    assert torch.equal(got[3], _host_splits(lens, None, 200))
+    assert torch.equal(got[3], torch.tensor([[64, 0, 32, 96, 7], [0, 64, 64, 96, 192]]))
     assert column_launch(torch.tensor([48, 80]), None, 200)[3] is None  # a start at 16 mod 32
     assert column_launch(torch.tensor([8, 32]), None, 200)[3] is None  # two passes
     assert column_launch(torch.tensor([256, 128]), None, 400)[3] is None  # full groups

@@ -178,7 +178,7 @@ def quantize_mxfp4(x: torch.Tensor, *, scale_rounding: str = "up") -> tuple[torc
     """
     _float_rows(x, 32)
     _rounding(scale_rounding)
-    return _ops.quantize_mxfp4_op(x, scale_rounding)
+    return _ops.call(_ops.quantize_mxfp4_op, x, scale_rounding)
 
 
 def quantize_mxfp4_rows(
@@ -203,7 +203,7 @@ def quantize_mxfp4_rows(
     if out is None:
         if row_index is not None:
             raise ValueError("out: required when row_index is given (the rows it indexes)")
-        return _ops.quantize_mxfp4_rows_op(x, scale_rounding)
+        return _ops.call(_ops.quantize_mxfp4_rows_op, x, scale_rounding)
     _tensor(out, "out", (torch.uint8,), 2)
     _same_device(out, x, "out")
     if out.shape[1] != width:
@@ -218,7 +218,7 @@ def quantize_mxfp4_rows(
         _same_device(row_index, x, "row_index")
         if row_index.shape[0] != x.shape[0]:
             raise ValueError(f"row_index: expected shape ({x.shape[0]},), got {tuple(row_index.shape)}")
-    _ops.quantize_mxfp4_rows_into_op(x, scale_rounding, out, row_index)
+    _ops.call(_ops.quantize_mxfp4_rows_into_op, x, scale_rounding, out, row_index)
     return out
 
 
@@ -307,7 +307,7 @@ def quantize_mxfp4_rows_multi(
                              f"{tuple(fp8_slots.shape)} strides {fp8_slots.stride()}")
         data, scales = _fp8_pair(fp8_out, h, x, "fp8_out")
         expand = (fp8_dest, fp8_slots, data, scales)
-    _ops.quantize_mxfp4_rows_multi_op(x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores),
+    _ops.call(_ops.quantize_mxfp4_rows_multi_op, x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores),
                                       _max_blocks(max_blocks), *expand)
 
 
@@ -363,7 +363,8 @@ def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor]
     _float_rows(x, formats.FP8_GROUP)
     h = x.shape[1]
     _destinations(dests, dest_rows, x, x.shape[0], h + 4 * (h // formats.FP8_GROUP))
-    _ops.quantize_fp8_blockwise_rows_multi_op(x, list(dests), dest_rows, _bulk(bulk_stores), _max_blocks(max_blocks))
+    _ops.call(_ops.quantize_fp8_blockwise_rows_multi_op, x, list(dests), dest_rows, _bulk(bulk_stores),
+              _max_blocks(max_blocks))
 
 
 def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,
@@ -380,7 +381,7 @@ def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.
     if src.shape[1] and src.stride(1) != 1:
         raise ValueError(f"src: expected a contiguous last dimension, got strides {src.stride()}")
     _destinations(dests, dest_rows, src, src.shape[0], src.shape[1])
-    _ops.scatter_rows_op(src, list(dests), dest_rows, _max_blocks(max_blocks))
+    _ops.call(_ops.scatter_rows_op, src, list(dests), dest_rows, _max_blocks(max_blocks))
 
 
 def mxfp4_to_fp8_blockwise(
@@ -399,7 +400,7 @@ def mxfp4_to_fp8_blockwise(
     """
     _packed_scales(packed, scales)
     _splits(split_lens, split_offsets, packed)
-    return _ops.mxfp4_to_fp8_blockwise_op(packed, scales, split_lens, split_offsets)
+    return _ops.call(_ops.mxfp4_to_fp8_blockwise_op, packed, scales, split_lens, split_offsets)
 
 
 def mxfp4_rows_to_fp8_blockwise(
@@ -415,7 +416,7 @@ def mxfp4_rows_to_fp8_blockwise(
     """
     _mxfp4_byte_rows(rows, hidden)
     _splits(split_lens, split_offsets, rows)
-    return _ops.mxfp4_rows_to_fp8_blockwise_op(rows, hidden, split_lens, split_offsets)
+    return _ops.call(_ops.mxfp4_rows_to_fp8_blockwise_op, rows, hidden, split_lens, split_offsets)
 
 
 def mxfp4_rows_to_fp8_cols(
@@ -450,7 +451,7 @@ def mxfp4_rows_to_fp8_cols(
     """
     _packed_scales(packed, scales)
     _splits(split_lens, split_offsets, packed, required=True, host_ok=True)
-    return _ops.mxfp4_rows_to_fp8_cols_op(packed, scales, split_lens, split_offsets)
+    return _ops.call(_ops.mxfp4_rows_to_fp8_cols_op, packed, scales, split_lens, split_offsets)
 
 
 def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,7 +462,7 @@ def quantize_fp8_blockwise(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     holding NaN or Inf, whose data is zero).
     """
     _float_rows(x, formats.FP8_GROUP)
-    return _ops.quantize_fp8_blockwise_op(x)
+    return _ops.call(_ops.quantize_fp8_blockwise_op, x)
 
 
 def _two_axis(x, name, tiles):
@@ -489,7 +490,7 @@ def quantize_fp8_rows_cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     formats.quantize_fp8_blockwise(x) and formats.quantize_fp8_blockwise(x^T zero-padded to Mp columns).
     """
     x = _two_axis(x, "x", False)
-    return _ops.quantize_fp8_rows_cols_op(x)
+    return _ops.call(_ops.quantize_fp8_rows_cols_op, x)
 
 
 def quantize_fp8_tiles(w: torch.Tensor, *, transpose: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -504,7 +505,7 @@ def quantize_fp8_tiles(w: torch.Tensor, *, transpose: bool = True) -> tuple[torc
     w = _two_axis(w, "w", True)
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose: expected a bool, got {transpose!r}")
-    return _ops.quantize_fp8_tiles_op(w, transpose)
+    return _ops.call(_ops.quantize_fp8_tiles_op, w, transpose)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -526,7 +527,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     if h % 32 or tuple(scales.shape) != expected:
         raise ValueError(f"scales: expected shape {expected} for packed of shape {tuple(packed.shape)} "
                          f"(packed's last dimension times 2 a multiple of 32), got {tuple(scales.shape)}")
-    return _ops.dequantize_mxfp4_op(packed, scales, dtype)
+    return _ops.call(_ops.dequantize_mxfp4_op, packed, scales, dtype)
 
 
 def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
@@ -540,7 +541,7 @@ def quantize_nvfp4_rows(x: torch.Tensor) -> torch.Tensor:
     of the FP32 tensor scale.
     """
     _float_rows(x, 16)
-    return _ops.quantize_nvfp4_rows_op(x)
+    return _ops.call(_ops.quantize_nvfp4_rows_op, x)
 
 
 def nvfp4_rows_to_fp8_blockwise(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -561,7 +562,7 @@ def nvfp4_rows_to_fp8_blockwise(rows: torch.Tensor, hidden: int) -> tuple[torch.
         raise ValueError(f"rows: expected {width} bytes per row for hidden {hidden}, got {rows.shape[1]}")
     if rows.shape[0] and rows.stride(1) != 1:
         raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
-    return _ops.nvfp4_rows_to_fp8_op(rows, hidden)
+    return _ops.call(_ops.nvfp4_rows_to_fp8_op, rows, hidden)
 
 
 def mxfp4_rows_expand_fp8_blockwise(
@@ -618,12 +619,12 @@ def mxfp4_rows_expand_fp8_blockwise(
         if not isinstance(num_rows, int) or num_rows < 0:
             raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
         if copy_to is None:
-            return _ops.mxfp4_rows_expand_fp8_op(rows, hidden, slots, num_rows)
+            return _ops.call(_ops.mxfp4_rows_expand_fp8_op, rows, hidden, slots, num_rows)
         out = (torch.empty(num_rows, hidden, dtype=torch.float8_e4m3fn, device=rows.device),
                torch.zeros(num_rows, hidden // formats.FP8_GROUP, dtype=torch.float32, device=rows.device))
     data, scales = _fp8_pair(out, hidden, rows, "out")
     r = data.shape[0]
     if num_rows is not None and num_rows != r:
         raise ValueError(f"num_rows: {num_rows} does not match out's {r} rows")
-    _ops.mxfp4_rows_expand_fp8_into_op(rows, hidden, slots, data, scales, copy_to, copy_rows)
+    _ops.call(_ops.mxfp4_rows_expand_fp8_into_op, rows, hidden, slots, data, scales, copy_to, copy_rows)
     return data, scales

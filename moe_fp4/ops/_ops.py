@@ -7,14 +7,56 @@ moe_fp4.ops check their arguments (ValueError naming the argument) and call thes
 
 from __future__ import annotations
 
+import inspect
+
 import torch
+from torch.overrides import has_torch_function
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from moe_fp4 import formats
-from moe_fp4.formats.ragged import check_splits
+from moe_fp4.formats.ragged import check_splits, split_starts
 from moe_fp4.ops import _native
 
 LIB = "moe_fp4"
 FP8 = torch.float8_e4m3fn
+
+_IMPL = {}  # custom op -> (its Python implementation, positions of the arguments it mutates)
+
+
+def _custom_op(name: str, mutates_args: tuple[str, ...] = ()):
+    """torch.library.custom_op(f"{LIB}::{name}"), remembering the implementation for call()."""
+    def register(fn):
+        op = torch.library.custom_op(f"{LIB}::{name}", mutates_args=mutates_args)(fn)
+        params = list(inspect.signature(fn).parameters)
+        _IMPL[op] = (fn, tuple(params.index(a) for a in mutates_args))
+        return op
+    return register
+
+
+def _flat_tensors(args):
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+        elif isinstance(a, torch.Tensor):
+            yield a
+
+
+def call(op, *args):
+    """op(*args). Outside torch.compile, with plain tensors and no torch function or dispatch mode
+    active, the implementation runs directly: the custom-op dispatch adds nothing there but host time
+    (about 70 us per call on the H200 machine's host, more than a 4096-token kernel takes). The version
+    counters of the arguments the op mutates are bumped as the dispatch would."""
+    tensors = tuple(_flat_tensors(args))
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or has_torch_function(tensors) or any(
+        type(t) is not torch.Tensor for t in tensors
+    ):
+        return op(*args)
+    fn, mutated = _IMPL[op]
+    result = fn(*args)
+    for i in mutated:
+        for t in _flat_tensors((args[i],)):
+            torch.autograd.graph.increment_version(t)
+    return result
 
 
 def _native_for(t: torch.Tensor) -> bool:
@@ -74,7 +116,7 @@ def _spec_rows_into(x, scale_rounding, out, row_index):
 # ------------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{LIB}::quantize_mxfp4", mutates_args=())
+@_custom_op("quantize_mxfp4")
 def quantize_mxfp4_op(x: torch.Tensor, scale_rounding: str) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_for(x):
         return _native.module().quantize_mxfp4(x, _round_up(scale_rounding))
@@ -87,7 +129,7 @@ def _(x, scale_rounding):
     return x.new_empty((t, h // 2), dtype=torch.uint8), x.new_empty((t, h // 32), dtype=torch.uint8)
 
 
-@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows", mutates_args=())
+@_custom_op("quantize_mxfp4_rows")
 def quantize_mxfp4_rows_op(x: torch.Tensor, scale_rounding: str) -> torch.Tensor:
     t, h = x.shape
     out = torch.empty((t, formats.mxfp4_row_bytes(h)), dtype=torch.uint8, device=x.device)
@@ -104,7 +146,7 @@ def _(x, scale_rounding):
     return x.new_empty((t, h // 2 + h // 32), dtype=torch.uint8)
 
 
-@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_into", mutates_args=("out",))
+@_custom_op("quantize_mxfp4_rows_into", mutates_args=("out",))
 def quantize_mxfp4_rows_into_op(
     x: torch.Tensor, scale_rounding: str, out: torch.Tensor, row_index: torch.Tensor | None
 ) -> None:
@@ -134,7 +176,7 @@ def _scatter_rows(src, dests, dest_rows, max_blocks=0):
         _spec_scatter_rows(src, dests, dest_rows)
 
 
-@torch.library.custom_op(f"{LIB}::scatter_rows", mutates_args=("dests",))
+@_custom_op("scatter_rows", mutates_args=("dests",))
 def scatter_rows_op(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, max_blocks: int) -> None:
     _scatter_rows(src, dests, dest_rows, max_blocks)
 
@@ -144,7 +186,7 @@ def _(src, dests, dest_rows, max_blocks):
     return None
 
 
-@torch.library.custom_op(f"{LIB}::quantize_mxfp4_rows_multi", mutates_args=("dests", "fp8_out", "fp8_scales"))
+@_custom_op("quantize_mxfp4_rows_multi", mutates_args=("dests", "fp8_out", "fp8_scales"))
 def quantize_mxfp4_rows_multi_op(
     x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool,
     max_blocks: int, fp8_dest: int, fp8_slots: torch.Tensor | None, fp8_out: torch.Tensor | None,
@@ -167,7 +209,7 @@ def _(x, scale_rounding, dests, dest_rows, bulk, max_blocks, fp8_dest, fp8_slots
     return None
 
 
-@torch.library.custom_op(f"{LIB}::quantize_fp8_blockwise_rows_multi", mutates_args=("dests",))
+@_custom_op("quantize_fp8_blockwise_rows_multi", mutates_args=("dests",))
 def quantize_fp8_blockwise_rows_multi_op(
     x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool, max_blocks: int
 ) -> None:
@@ -184,7 +226,7 @@ def _(x, dests, dest_rows, bulk, max_blocks):
     return None
 
 
-@torch.library.custom_op(f"{LIB}::mxfp4_to_fp8_blockwise", mutates_args=())
+@_custom_op("mxfp4_to_fp8_blockwise")
 def mxfp4_to_fp8_blockwise_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -206,7 +248,7 @@ def _(packed, scales, split_lens, split_offsets):
     return _fake_fp8_rows(packed, packed.shape[0], packed.shape[1] * 2)
 
 
-@torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_blockwise", mutates_args=())
+@_custom_op("mxfp4_rows_to_fp8_blockwise")
 def mxfp4_rows_to_fp8_blockwise_op(
     rows: torch.Tensor, hidden: int, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,17 +268,21 @@ COLUMN_PIECE_ROWS = 16  # rows per 16-byte store piece of the column-major E4M3 
 
 def _host_splits(
     split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
-) -> torch.Tensor:
-    """int64 [2, E] on the host: the segments' lengths, then their first rows, from one read of the
-    splits, validated as formats.check_splits does (ValueError for segments outside the rows or
-    overlapping). A new tensor, never the caller's."""
-    if split_offsets is not None and split_offsets.shape == split_lens.shape:
-        host = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).cpu()
-        check_splits(host[0], host[1], total_rows)
-        return host
-    # back to back, or offsets check_splits rejects before reading them
-    lens = split_lens.cpu()
-    return torch.stack((lens.to(torch.int64), check_splits(lens, split_offsets, total_rows).to(torch.int64)))
+) -> tuple[list[int], list[int]]:
+    """(lengths, first rows) as host integers, from one read of the splits, validated as
+    formats.check_splits does (ValueError for segments outside the rows or overlapping)."""
+    if split_offsets is None or split_offsets.shape != split_lens.shape:
+        if split_offsets is not None:
+            check_splits(split_lens.cpu(), split_offsets.cpu(), total_rows)  # raises: the shapes differ
+        lens = split_lens.tolist()
+        return lens, split_starts(lens, None, total_rows)
+    lens, starts = torch.stack((split_lens.to(torch.int64), split_offsets.to(torch.int64))).tolist()
+    return lens, split_starts(lens, starts, total_rows)
+
+
+def _splits_tensor(lens: list[int], starts: list[int]) -> torch.Tensor:
+    """int64 [2, E] on the host (a new pageable tensor): the lengths, then the first rows."""
+    return torch.tensor([lens, starts], dtype=torch.int64).view(2, len(lens))
 
 
 def column_plan(
@@ -262,8 +308,7 @@ def column_plan(
     experts at N = 32768: 145 against 150 us for the early loads, 2026-11-24; with the keys, 112
     against 117 us together with the CTA index division, 2026-11-25).
     """
-    lens, starts = _host_splits(split_lens, split_offsets, total_rows).tolist()
-    return _plan(lens, starts)[:3]
+    return _plan(*_host_splits(split_lens, split_offsets, total_rows))[:3]
 
 
 def _plan(lens: list[int], starts: list[int]) -> tuple[int, bool, bool, bool]:
@@ -286,18 +331,17 @@ def _plan(lens: list[int], starts: list[int]) -> tuple[int, bool, bool, bool]:
 COLUMN_GROUP_HINTS_MAX = 1024  # csrc/kernels/sm90_launchers.h: kMaxColumnGroupHints (no table past it)
 
 
-def _launch(host: torch.Tensor) -> tuple[int, bool, bool, torch.Tensor | None]:
-    lens, starts = host.tolist()
+def _launch(lens: list[int], starts: list[int]) -> tuple[int, bool, bool, torch.Tensor | None]:
     groups, two_pass, full_groups, on32 = _plan(lens, starts)
     passed = not two_pass and not full_groups and on32 and 0 < groups <= COLUMN_GROUP_HINTS_MAX
-    return groups, two_pass, full_groups, host if passed else None
+    return groups, two_pass, full_groups, _splits_tensor(lens, starts) if passed else None
 
 
 def column_launch(
     split_lens: torch.Tensor, split_offsets: torch.Tensor | None, total_rows: int
 ) -> tuple[int, bool, bool, torch.Tensor | None]:
     """The native column op's plan arguments as the op passes them: column_plan's (G, two_pass,
-    full_groups) and the host splits (_host_splits: int64 [2, E], lengths then first rows) or None,
+    full_groups) and the host splits (int64 [2, E]: lengths, then first rows) or None,
     from one host read of the splits. From the host splits the launcher derives each scale group's
     first row and row count (about 1 us for 300 groups; native column_group_table returns them), which
     the one-pass kernel loads before its own look-up answers and checks against it. They go with the
@@ -305,22 +349,22 @@ def column_launch(
     32 experts, H = 7168, 2026-11-25: lengths multiples of 32 at N = 32768, 125-128 -> 113-118 us;
     multiples of 128 at N = 32770, 124-126 -> 113-115 us); with starts at 16 mod 32 the table
     measured slower (131-135 -> 126-141 us), so they are left out there."""
-    return _launch(_host_splits(split_lens, split_offsets, total_rows))
+    return _launch(*_host_splits(split_lens, split_offsets, total_rows))
 
 
-@torch.library.custom_op(f"{LIB}::mxfp4_rows_to_fp8_cols", mutates_args=())
+@_custom_op("mxfp4_rows_to_fp8_cols")
 def mxfp4_rows_to_fp8_cols_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
-        host = _host_splits(split_lens, split_offsets, packed.shape[0])
+        lens, starts = _host_splits(split_lens, split_offsets, packed.shape[0])
         if split_lens.device != packed.device:
-            # splits given on the CPU: no wait for the device. host is a new pageable tensor, staged at
-            # once by the copy, so the caller may reuse theirs.
-            dev = host.to(packed.device, non_blocking=True)
+            # splits given on the CPU: no wait for the device. A new pageable tensor, staged at once by
+            # the copy, so the caller may reuse theirs.
+            dev = _splits_tensor(lens, starts).to(packed.device, non_blocking=True)
             split_lens, split_offsets = dev[0], (dev[1] if split_offsets is not None else None)
-        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, *_launch(host))
+        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, *_launch(lens, starts))
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 
@@ -336,7 +380,7 @@ def _(packed, scales, split_lens, split_offsets):
     )
 
 
-@torch.library.custom_op(f"{LIB}::quantize_fp8_blockwise", mutates_args=())
+@_custom_op("quantize_fp8_blockwise")
 def quantize_fp8_blockwise_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_for(x):
         return _native.module().quantize_fp8_blockwise(x)
@@ -353,7 +397,7 @@ def _padded_rows(m: int) -> int:
     return -(-m // formats.FP8_GROUP) * formats.FP8_GROUP
 
 
-@torch.library.custom_op(f"{LIB}::quantize_fp8_rows_cols", mutates_args=())
+@_custom_op("quantize_fp8_rows_cols")
 def quantize_fp8_rows_cols_op(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(x):
         return _native.module().quantize_fp8_rows_cols(x)
@@ -373,7 +417,7 @@ def _(x):
             x.new_empty((k, mp), dtype=FP8), x.new_empty((k, mp // g), dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{LIB}::quantize_fp8_tiles", mutates_args=())
+@_custom_op("quantize_fp8_tiles")
 def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(w):
         return _native.module().quantize_fp8_tiles(w, transpose)
@@ -393,7 +437,7 @@ def _(w, transpose):
             w.new_empty((k if transpose else 0, n), dtype=FP8))
 
 
-@torch.library.custom_op(f"{LIB}::dequantize_mxfp4", mutates_args=())
+@_custom_op("dequantize_mxfp4")
 def dequantize_mxfp4_op(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if (
         dtype == torch.bfloat16
@@ -410,7 +454,7 @@ def _(packed, scales, dtype):
     return packed.new_empty((*packed.shape[:-1], packed.shape[-1] * 2), dtype=dtype)
 
 
-@torch.library.custom_op(f"{LIB}::quantize_nvfp4_rows", mutates_args=())
+@_custom_op("quantize_nvfp4_rows")
 def quantize_nvfp4_rows_op(x: torch.Tensor) -> torch.Tensor:
     if _native_for(x):
         return _native.module().quantize_nvfp4_rows(x)
@@ -423,7 +467,7 @@ def _(x):
     return x.new_empty((t, formats.nvfp4_row_bytes(h)), dtype=torch.uint8)
 
 
-@torch.library.custom_op(f"{LIB}::nvfp4_rows_to_fp8", mutates_args=())
+@_custom_op("nvfp4_rows_to_fp8")
 def nvfp4_rows_to_fp8_op(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_rows(rows):
         return _native.module().nvfp4_rows_to_fp8(rows, hidden)
@@ -456,7 +500,7 @@ def _native_rows(rows) -> bool:
     return _native_for(rows) and _word_rows(rows)
 
 
-@torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8", mutates_args=())
+@_custom_op("mxfp4_rows_expand_fp8")
 def mxfp4_rows_expand_fp8_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor,
                              num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_rows(rows):
@@ -470,7 +514,7 @@ def _(rows, hidden, slots, num_rows):
             rows.new_empty((num_rows, hidden // formats.FP8_GROUP), dtype=torch.float32))
 
 
-@torch.library.custom_op(f"{LIB}::mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales", "copy_to"))
+@_custom_op("mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales", "copy_to"))
 def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
                                   out_scales: torch.Tensor, copy_to: torch.Tensor | None,
                                   copy_rows: torch.Tensor | None) -> None:
