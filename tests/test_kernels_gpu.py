@@ -613,6 +613,21 @@ def test_mxfp4_rows_to_fp8_cols_group_table():
         native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.to(torch.int32))
 
 
+def test_mxfp4_rows_to_fp8_cols_few_groups_zero_the_other_rows():
+    """Splits covering none or few of the rows (all experts empty; one short expert in a large buffer;
+    one expert at an offset): every row outside them comes out zero, as the spec's, with the grid
+    sized for the rows to zero rather than for the groups."""
+    t, h = 3000, 1024
+    packed, scales = _mxfp4_input(t, h)
+    for lens, offs in ((torch.zeros(32, dtype=torch.int64), None), (torch.tensor([0, 77, 0]), None),
+                       (torch.tensor([0, 200]), torch.tensor([0, 2500]))):
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+        for where in ("cuda", "cpu"):
+            _dirty_cache(4 * t * h)
+            got = ops.mxfp4_rows_to_fp8_cols(packed, scales, lens.to(where), None if offs is None else offs.to(where))
+            _equal(got, want, (f"data {lens.tolist()} {where}", "scales", "group_offsets"))
+
+
 def test_column_group_table_lists_every_group():
     """The launcher's derivation of the scale groups from host splits (native column_group_table):
     each group's first row and row count, expert by expert, empty experts having none, against a loop
