@@ -22,3 +22,14 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
             f"got {actual.cpu()[idx]!r} (bits {int(a[idx]):#x}), expected {expected.cpu()[idx]!r} "
             f"(bits {int(e[idx]):#x})"
         )
+
+
+def random_splits(experts: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh random int64 (lengths, offsets) of experts segments: lengths in [0, max_len) with one
+    forced empty, laid out back to back in a random expert order (offsets not increasing)."""
+    lens = torch.randint(0, max_len, (experts,))
+    lens[int(torch.randint(0, experts, ()))] = 0
+    order = torch.randperm(experts)
+    offs = torch.empty(experts, dtype=torch.int64)
+    offs[order] = torch.cumsum(lens[order], 0) - lens[order]
+    return lens, offs

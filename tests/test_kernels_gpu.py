@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal
+from _compare import assert_bitwise_equal, random_splits
 
 from moe_fp4 import formats, ops
 from moe_fp4.ops import _ops
@@ -634,11 +634,7 @@ def test_column_group_table_lists_every_group():
     over the experts; random lengths (some empty) and offsets in a random order."""
     native = ops.build()
     for _ in range(5):
-        lens = torch.randint(0, 700, (9,))
-        lens[int(torch.randint(0, 9, ()))] = 0
-        order = torch.randperm(9)
-        offs = torch.empty(9, dtype=torch.int64)
-        offs[order] = torch.cumsum(lens[order], 0) - lens[order]
+        lens, offs = random_splits(9, 700)
         want = [(int(offs[e]) + 128 * j, min(128, int(lens[e]) - 128 * j))
                 for e in range(9) for j in range(-(-int(lens[e]) // 128))]
         got = native.column_group_table(torch.stack((lens, offs)))

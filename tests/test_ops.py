@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal
+from _compare import assert_bitwise_equal, random_splits
 
 from moe_fp4 import formats, ops
 from moe_fp4.ops import _ops
@@ -317,11 +317,7 @@ def test_host_splits_are_lengths_then_first_rows():
     from moe_fp4.ops._ops import _host_splits, _splits_tensor
 
     for _ in range(5):
-        lens = torch.randint(0, 400, (9,))
-        lens[int(torch.randint(0, 9, ()))] = 0
-        order = torch.randperm(9)
-        offs = torch.empty(9, dtype=torch.int64)
-        offs[order] = torch.cumsum(lens[order], 0) - lens[order]
+        lens, offs = random_splits(9, 400)
         n = int(lens.sum()) + 5
         for o, starts in ((None, torch.cumsum(lens, 0) - lens), (offs, offs)):
             assert _host_splits(lens, o, n) == (lens.tolist(), starts.tolist())

@@ -308,7 +308,7 @@ def quantize_mxfp4_rows_multi(
         data, scales = _fp8_pair(fp8_out, h, x, "fp8_out")
         expand = (fp8_dest, fp8_slots, data, scales)
     _ops.call(_ops.quantize_mxfp4_rows_multi_op, x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores),
-                                      _max_blocks(max_blocks), *expand)
+              _max_blocks(max_blocks), *expand)
 
 
 def _fp8_pair(out, hidden, ref, name):
