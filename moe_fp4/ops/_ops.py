@@ -7,6 +7,7 @@ moe_fp4.ops check their arguments (ValueError naming the argument) and call thes
 
 from __future__ import annotations
 
+import array
 import inspect
 
 import torch
@@ -281,8 +282,12 @@ def _host_splits(
 
 
 def _splits_tensor(lens: list[int], starts: list[int]) -> torch.Tensor:
-    """int64 [2, E] on the host (a new pageable tensor): the lengths, then the first rows."""
-    return torch.tensor([lens, starts], dtype=torch.int64).view(2, len(lens))
+    """int64 [2, E] on the host (a new pageable tensor over its own buffer): the lengths, then the first
+    rows. torch.frombuffer over an array: 3.4 us against 7.4 us for torch.tensor of the lists (32 experts,
+    2-core development host)."""
+    if not lens:
+        return torch.empty((2, 0), dtype=torch.int64)
+    return torch.frombuffer(array.array("q", lens + starts), dtype=torch.int64).view(2, len(lens))
 
 
 def column_plan(
@@ -359,12 +364,14 @@ def mxfp4_rows_to_fp8_cols_op(
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
         lens, starts = _host_splits(split_lens, split_offsets, packed.shape[0])
+        groups, two_pass, full_groups, host = _launch(lens, starts)
         if split_lens.device != packed.device:
-            # splits given on the CPU: no wait for the device. A new pageable tensor, staged at once by
-            # the copy, so the caller may reuse theirs.
-            dev = _splits_tensor(lens, starts).to(packed.device, non_blocking=True)
+            # splits given on the CPU: no wait for the device. A new pageable tensor (the launcher's
+            # host splits when it takes them), staged at once by the copy, so the caller may reuse theirs.
+            dev = (host if host is not None else _splits_tensor(lens, starts)).to(packed.device, non_blocking=True)
             split_lens, split_offsets = dev[0], (dev[1] if split_offsets is not None else None)
-        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, *_launch(lens, starts))
+        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, groups, two_pass,
+                                                  full_groups, host)
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 
