@@ -326,6 +326,10 @@ def test_host_splits_are_lengths_then_first_rows():
             got = _splits_tensor(lens.tolist(), starts.tolist())
             assert got.dtype == torch.int64 and got.device.type == "cpu" and got.shape == (2, 9)
             assert torch.equal(got[0], lens) and torch.equal(got[1], starts)
+    # its own buffer each call (the op copies it to the device), contiguous; none for no experts
+    a, b = _splits_tensor([5, 1], [0, 5]), _splits_tensor([6, 2], [1, 7])
+    assert a.is_contiguous() and a.tolist() == [[5, 1], [0, 5]] and b.tolist() == [[6, 2], [1, 7]]
+    assert _splits_tensor([], []).shape == (2, 0)
 
 
 def test_column_op_traces_with_a_symbolic_token_count():
@@ -355,11 +359,4 @@ def test_column_launch_passes_the_table_on_32_row_starts():
     assert torch.equal(got[3], torch.tensor([[64, 0, 32, 96, 7], [0, 64, 64, 96, 192]]))
     assert column_launch(torch.tensor([48, 80]), None, 200)[3] is None  # a start at 16 mod 32
     assert column_launch(torch.tensor([8, 32]), None, 200)[3] is None  # two passes
-    # the host splits tensor: its own buffer each call (the op copies it to the device), none for no experts
-    from moe_fp4.ops._ops import _splits_tensor
-
-    a, b = _splits_tensor([5, 1], [0, 5]), _splits_tensor([6, 2], [1, 7])
-    assert a.dtype == torch.int64 and a.is_contiguous()
-    assert a.tolist() == [[5, 1], [0, 5]] and b.tolist() == [[6, 2], [1, 7]]
-    assert _splits_tensor([], []).shape == (2, 0)
     assert column_launch(torch.tensor([256, 128]), None, 400)[3] is None  # full groups
