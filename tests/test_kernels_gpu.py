@@ -613,6 +613,42 @@ def test_mxfp4_rows_to_fp8_cols_group_table():
         native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.to(torch.int32))
 
 
+@pytest.mark.parametrize("t,to_end,h", [(2080, True, 1024), (3001, False, 128), (12001, True, 7168)])
+def test_mxfp4_rows_to_fp8_cols_offsets_on_32_rows(t, to_end, h):
+    """Segments at offsets that are multiples of 32 (the one-pass path), in shuffled order, lengths not
+    multiples of 32 (1-row and empty experts among them), gaps from none to more than 32 rows, rows
+    before the first segment, the last one ending at N (a multiple of 32 or not) or before it: the
+    group ending a segment writes the rows up to the next multiple of 32 as zeros, the zero pass the
+    others outside every segment (its tasks covering one 256-column chunk or, at 12001 x 7168, two),
+    and every byte is the spec's, on outputs over nonzero garbage."""
+    packed, scales = _mxfp4_input(t, h)
+    choices = [0, 1, 31, 33, 100, 128, 129, 200, 300]
+    lens, starts, pos = [], [], 32 * int(torch.randint(1, 3, ()))
+    while True:
+        ln = choices[int(torch.randint(0, len(choices), ()))]
+        if pos + ln > t - 96:
+            break
+        lens.append(ln)
+        starts.append(pos)
+        pos = -(-(pos + ln + int(torch.randint(0, 45, ()))) // 32) * 32
+    if to_end:
+        lens.append(t - pos)
+        starts.append(pos)
+    order = torch.randperm(len(lens)).tolist()
+    lt = torch.tensor([lens[e] for e in order], device="cuda")
+    ot = torch.tensor([starts[e] for e in order], device="cuda")
+    groups, two_pass, full = _ops.column_plan(lt, ot, t)
+    assert not two_pass and not full
+    want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lt, ot)
+    for dtype in (torch.int64, torch.int32):
+        _dirty_cache(4 * t * h)
+        got = ops.mxfp4_rows_to_fp8_cols(packed, scales, lt.to(dtype), ot.to(dtype))
+        _equal(got, want, (f"data {dtype}", f"scales {dtype}", f"group_offsets {dtype}"))
+    _dirty_cache(4 * t * h)  # without the host splits: the kernel's own look-up
+    got = ops.build().mxfp4_to_fp8_cols(packed, scales, lt, ot, groups, False, False)
+    _equal(got, want, ("data, no host splits", "scales, no host splits", "group_offsets, no host splits"))
+
+
 def test_mxfp4_rows_to_fp8_cols_few_groups_zero_the_other_rows():
     """Splits covering none or few of the rows (all experts empty; one short expert in a large buffer;
     one expert at an offset): every row outside them comes out zero, as the spec's, with the grid

@@ -645,6 +645,16 @@ __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uin
   }
 }
 
+// The one-pass kernel's zero pass with offsets splits each 32-row window's output rows into this many
+// tasks (a warp each): about 8192 tasks in all, so that few rows still get many warps (H200, 32
+// segments at 32-row offsets with gaps, 4096 x 7168: 54 against 25 us as one warp per window, its 448
+// stores in series) and many rows do not spend a warp per (window, 256 output rows) on the windows'
+// look-ups (32768 x 7168: 140 against 123 us).
+__host__ __device__ inline int zero_hsplit(long long windows, int chunks) {
+  const long long want = (8192 + windows - 1) / windows;
+  return static_cast<int>(want < 1 ? 1 : want > chunks ? chunks : want);
+}
+
 // The caller's group table, a kernel parameter (constant bank): each CTA loads its group's rows before
 // warp 0's look-up answers, as with full_groups, and checks them against it.
 struct GroupHints {
@@ -653,8 +663,10 @@ struct GroupHints {
 };
 
 // 4 CTAs per SM (64 registers) with word loads; 2 with byte loads, which spill at 3 (the binding sends
-// them only one-row views with an odd stride).
-template <bool kVec4>
+// them only one-row views with an odd stride). kAtOffsets: the segments have offsets (an instance of
+// its own, so that the back-to-back path keeps its code: H200, 32 equal experts at 32768 x 7168,
+// 113.4-113.6 against 115.2-115.3 us with the offsets' zero pass and 32-row fill compiled in).
+template <bool kVec4, bool kAtOffsets>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups, const GroupHints hints) {
   extern __shared__ __align__(16) uint8_t smem[];
@@ -665,6 +677,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   const Segments& seg = p.segments;
   __shared__ long long s_covered;
   __shared__ int s_row0, s_cnt;
+  __shared__ bool s_fill32;  // (kAtOffsets) every segment starting on a multiple of 32 rows (see step 4)
   __shared__ uint32_t s_nan[kColWarps], s_big[kColWarps];
   __shared__ uint4 s_lane_info[32];  // per lane: fast-formula bytes of its 8 columns, their range, NaN
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -718,6 +731,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     __syncwarp();
     long long carry_rows = 0;
     int carry_groups = 0;
+    bool on32 = true;  // (kAtOffsets)
     for (int base = 0; base < seg.num; base += 32) {
       const int e = base + lane;
       const long long len = e < seg.num ? load_index(seg.lens, seg.is64, e) : 0;
@@ -734,6 +748,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
         }
       }
       const int g_first = carry_groups + ig - ng;
+      if (kAtOffsets && len > 0) on32 &= (load_index(seg.offsets, seg.is64, e) & 31) == 0;
       if (e < seg.num) {
         if (blockIdx.x == 0) p.group_offsets[e] = g_first;
         if (g >= g_first && g < g_first + ng && g < p.num_groups) {
@@ -746,7 +761,9 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       carry_rows += __shfl_sync(0xFFFFFFFFu, ir, 31);
       carry_groups += __shfl_sync(0xFFFFFFFFu, ig, 31);
     }
+    on32 = __all_sync(0xFFFFFFFFu, on32);
     if (lane == 0) {
+      s_fill32 = kAtOffsets && on32;
       s_covered = carry_rows;
       if (blockIdx.x == 0) p.group_offsets[seg.num] = carry_groups;
     }
@@ -890,17 +907,22 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       }
     }
     __syncthreads();
-    // 4. The tile's columns to the output.
+    // 4. The tile's columns to the output. With segments at offsets that all start on multiples of 32,
+    // the rows from a segment's end to the next multiple of 32 lie outside every segment: the group
+    // that ends there writes them too, as the zeros its tile holds past its rows, so that its last
+    // 32-byte sector is whole (the zero pass below leaves them; H200, 32 segments at 32-row offsets
+    // with gaps, 32256 x 7168: 259 us when the pass wrote those bytes one by one).
+    const int stored = kAtOffsets && s_fill32 ? static_cast<int>(min((row0 + cnt + 31LL) & ~31LL, p.rows) - row0) : cnt;
     tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
-               min(kTileCols, p.hidden - ch * kTileCols), cnt, tid);
+               min(kTileCols, p.hidden - ch * kTileCols), stored, tid);
   }
 
   // Columns of rows outside every segment are zero.
   const long long covered = s_covered;
-  if (seg.offsets == nullptr && covered >= p.rows) return;
+  if (!kAtOffsets && covered >= p.rows) return;
   const long long gwarp = (static_cast<long long>(blockIdx.x) * kThreads + tid) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
-  if (seg.offsets == nullptr) {
+  if (!kAtOffsets) {
     // Back to back: rows [covered, N) are outside, bytes [covered, N) of every output row; a warp per
     // output row, whole 16-byte pieces between the ends (H200, one 128-row expert in 32768 rows x
     // 7168: 3.3 ms with a warp per input row storing single bytes 7168 rows apart).
@@ -914,9 +936,50 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     }
     return;
   }
-  for (long long row = gwarp; row < p.rows; row += num_warps) {
-    if (warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered)) continue;
-    for (int h = lane; h < p.hidden; h += 32) p.out[static_cast<long long>(h) * p.out_stride + row] = 0;
+  // At offsets: a warp per (32-row window, part of the output rows), which finds the window's rows to
+  // zero (outside every segment and, with s_fill32, past every segment's filled end; each lane takes a
+  // segment's rows in the window as a bit mask, ORed over the warp) and writes them in its output rows,
+  // by whole 16-byte pieces where they cover one. H200, 32 segments at 32-row offsets with gaps: 4096
+  // x 7168, 170 us as a warp per row storing its bytes 7168 rows apart.
+  const bool fill32 = s_fill32;
+  const bool al = ((reinterpret_cast<uintptr_t>(p.out) | static_cast<uintptr_t>(p.out_stride)) & 15) == 0;
+  const long long windows32 = (p.rows + 31) / 32;
+  const int hsplit = zero_hsplit(windows32, chunks);
+  const long long hstep = static_cast<long long>((chunks + hsplit - 1) / hsplit) * kTileCols;  // output rows per task
+  for (long long task = gwarp; task < windows32 * hsplit; task += num_warps) {
+    const long long w = task / hsplit, r0 = 32 * w;
+    const long long h0 = (task - w * hsplit) * hstep;
+    uint32_t covered_rows = 0u;
+    for (int base = 0; base < seg.num; base += 32) {
+      const int e = base + lane;
+      uint32_t mk = 0u;
+      const long long len = e < seg.num ? load_index(seg.lens, seg.is64, e) : 0;
+      if (len > 0) {
+        const long long off = load_index(seg.offsets, seg.is64, e);
+        const long long end = fill32 ? (off + len + 31) & ~31LL : off + len;
+        const int lo = static_cast<int>(max(off - r0, 0LL)), hi = static_cast<int>(min(end - r0, 32LL));
+        if (lo < hi) mk = (hi - lo == 32 ? 0xFFFFFFFFu : (1u << (hi - lo)) - 1u) << lo;
+      }
+      covered_rows |= __reduce_or_sync(0xFFFFFFFFu, mk);
+    }
+    const long long nvalid = min(32LL, p.rows - r0);
+    const uint32_t m = (nvalid >= 32 ? 0xFFFFFFFFu : (1u << nvalid) - 1u) & ~covered_rows;  // warp-uniform
+    if (m == 0u) continue;
+    // Lanes 2 i and 2 i + 1 take the window's two 16-byte pieces in output rows h0 + i, h0 + i + 16, ...:
+    // a whole piece by one store, else its bytes one by one.
+    const int piece = lane & 1;
+    const uint32_t pm = (m >> (16 * piece)) & 0xFFFFu;
+    const long long h_end = min(static_cast<long long>(p.hidden), h0 + hstep);
+    for (long long h = h0 + (lane >> 1); pm != 0u && h < h_end; h += 16) {
+      uint8_t* o = p.out + h * p.out_stride + r0 + 16 * piece;
+      if (pm == 0xFFFFu && al && r0 + 16 * piece + 16 <= p.rows) {
+        *reinterpret_cast<uint4*>(o) = make_uint4(0u, 0u, 0u, 0u);
+      } else {
+        for (int b = 0; b < 16; ++b) {
+          if ((pm >> b) & 1u) o[b] = 0;
+        }
+      }
+    }
   }
 }
 
@@ -1110,9 +1173,11 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   if (!two_pass) {
     long long blocks = p.num_groups * chunks;
     // Rows outside every segment are zeroed by a grid-stride loop over warps after the tiles: a warp
-    // per input row with offsets, per output row without, at least (with few groups, e.g. none in 256
-    // rows, one CTA took 2 ms for them).
-    const long long zero_warps = p.segments.offsets != nullptr ? p.rows : p.hidden;
+    // per zero task with offsets (zero_hsplit), per output row without, at least (with few groups,
+    // e.g. none in 256 rows, one CTA took 2 ms for them).
+    const long long windows32 = (p.rows + 31) / 32;
+    const long long zero_warps =
+        p.segments.offsets != nullptr ? windows32 * zero_hsplit(windows32, static_cast<int>(chunks)) : p.hidden;
     if (blocks * kColWarps < zero_warps) blocks = (zero_warps + kColWarps - 1) / kColWarps;
     if (blocks < 1) blocks = 1;
     GroupHints hints;
@@ -1132,8 +1197,9 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
       kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
           p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)), hints);
     };
-    if (vec4) launch(sm90_cols_tile_kernel<true>);
-    else launch(sm90_cols_tile_kernel<false>);
+    const bool at_offsets = p.segments.offsets != nullptr;
+    if (vec4) at_offsets ? launch(sm90_cols_tile_kernel<true, true>) : launch(sm90_cols_tile_kernel<true, false>);
+    else at_offsets ? launch(sm90_cols_tile_kernel<false, true>) : launch(sm90_cols_tile_kernel<false, false>);
     return cudaGetLastError();
   }
   // Pass 1: every row's group and the groups' scales and records; pass 2: the output. Each starts

@@ -171,6 +171,15 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         launch = _ops.column_launch(plens, None, t)
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
         add(f"FP4RowToFP8Col {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
+        # segments at offsets on 32-row boundaries with gaps between them, as a receive buffer whose
+        # experts start 32-row aligned: the ragged lengths less 31 rows, each placed at the next
+        # multiple of 32 (the rows in the gaps and past the last segment come out zero)
+        glens = (rlens - 31).clamp(min=0)
+        goffs = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"), (glens + 31) // 32 * 32]),
+                             0)[:-1]
+        launch = _ops.column_launch(glens, goffs, t)
+        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
+        add(f"FP4RowToFP8Col {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
         # the public op per call, host time included (it reads the splits on the host): splits on the
         # device (the read waits for the device each call) against the same splits on the CPU
         for name, ls in ((f"{experts} experts", lens), (f"{experts} experts, 32-row starts", plens)):

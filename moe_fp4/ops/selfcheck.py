@@ -69,6 +69,11 @@ def run(device: str = "cuda") -> bool:
         # starts on 32-row boundaries: the one pass with the host's group table (rows loaded early)
         lens_t = torch.tensor([64, 0, 32, 96, 7], dtype=torch.int64, device=device)
         ok &= _same_cols(f"h={h} one pass, group table", p[:199], s[:199], lens_t)
+        # offsets on 32-row boundaries with gaps (one pass: the last group's zero rows, the zero pass's windows)
+        offs32 = torch.tensor([128, 0, 64, 0, 192], dtype=torch.int64, device=device)
+        lens_g = torch.tensor([33, 0, 50, 20, 7], dtype=torch.int64, device=device)
+        assert not ops._ops.column_plan(lens_g, offs32, 210)[1]
+        ok &= _same_cols(f"h={h} one pass, offsets with gaps", p[:210], s[:210], lens_g, offs32)
         # the same splits and ragged ones with offsets given on the host (copied to the device without waiting)
         ok &= _same_cols(f"h={h} host splits, one pass", p[:199], s[:199], lens_t.cpu())
         ok &= _same_cols(f"h={h} host splits, two passes", p, s, lens.cpu(), offs.cpu())
