@@ -444,7 +444,9 @@ def mxfp4_rows_to_fp8_cols(
     group (H200, 32 experts at N = 32768, H = 7168: 112 us with lengths that are multiples of 128,
     113-118 us of 32, 126-141 us of 16, 161 us ragged; about the same at N = 32770). Callers that
     can pad expert segments to multiples of 16 rows (as grouped FP8 GEMMs want them anyway; 32 or
-    128 for the fastest paths) get the one-pass kernel. The split lengths are read once on the host
+    128 for the fastest paths) get the one-pass kernel; so do segments at offsets that start on
+    32-row boundaries with rows between them (122 us with gaps under 32 rows; the rows outside every
+    segment come out zero). The split lengths are read once on the host
     to plan this (and to give the kernel each group's rows). Splits on the device make that read wait
     for the device; splits on the CPU (as a dispatch layer often has them) do not: the op copies them
     to the device without waiting and returns while the kernels run.
