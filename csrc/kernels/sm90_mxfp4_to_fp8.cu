@@ -650,6 +650,7 @@ __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uin
 // segments at 32-row offsets with gaps, 4096 x 7168: 54 against 25 us as one warp per window, its 448
 // stores in series) and many rows do not spend a warp per (window, 256 output rows) on the windows'
 // look-ups (32768 x 7168: 140 against 123 us).
+// windows >= 1: the launcher returns before it for an input without rows.
 __host__ __device__ inline int zero_hsplit(long long windows, int chunks) {
   const long long want = (8192 + windows - 1) / windows;
   return static_cast<int>(want < 1 ? 1 : want > chunks ? chunks : want);
@@ -911,7 +912,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     // the rows from a segment's end to the next multiple of 32 lie outside every segment: the group
     // that ends there writes them too, as the zeros its tile holds past its rows, so that its last
     // 32-byte sector is whole (the zero pass below leaves them; H200, 32 segments at 32-row offsets
-    // with gaps, 32256 x 7168: 259 us when the pass wrote those bytes one by one).
+    // with gaps under 32 rows, 32256 x 7168: 313-324 us when a warp per row wrote those bytes one by
+    // one, 120 us with this fill and the windowed pass).
     const int stored = kAtOffsets && s_fill32 ? static_cast<int>(min((row0 + cnt + 31LL) & ~31LL, p.rows) - row0) : cnt;
     tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
                min(kTileCols, p.hidden - ch * kTileCols), stored, tid);
