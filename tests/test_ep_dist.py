@@ -355,6 +355,109 @@ def case_errors(ctx, seed):
     return None
 
 
+def _aligned_rows(lens: list[int], alignment: int) -> tuple[list[int], list[int], int]:
+    """(aligned starts, where each back-to-back row lands, rows in all) of an aligned layout."""
+    padded = [-(-c // alignment) * alignment for c in lens]
+    starts = [sum(padded[:e]) for e in range(len(lens))]
+    dst = [starts[e] + i for e, c in enumerate(lens) for i in range(c)]
+    return starts, dst, sum(padded)
+
+
+def case_expert_alignment(ctx, seed, payload, alignment):
+    """Each local expert's rows start on a multiple of expert_alignment: rows, values, FP8 rows,
+    weights and the tables equal the back-to-back layout's at the shifted rows, the rows between are
+    zero (their FP8 rows the conversion of a zero row), and combine ignores them, whatever y holds
+    there."""
+    from moe_fp4.ops._ops import column_plan
+
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    for n, scenario in enumerate(("random", "one_expert", "empty_rank", "duplicates", "no_route")):
+        xs, idxs, ws, n_exp = make_world(seed + n, world, scenario, experts_per_rank=4)
+        x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+        buf = Buffer(n_exp, ctx.group, payload=payload)
+        ref = buf.dispatch(x, idx, w, return_fp8=True)
+        got = buf.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
+        lens = ref.tokens_per_expert
+        assert got.tokens_per_expert == lens and got.split_lens.tolist() == lens, scenario
+        starts, dst_list, n_out = _aligned_rows(lens, alignment)
+        assert got.split_offsets.tolist() == starts, (scenario, got.split_offsets.tolist(), starts)
+        h = got.handle
+        assert h.num_rows == n_out and got.rows.shape[0] == n_out and h.expert_alignment == alignment
+        dst = torch.tensor(dst_list, dtype=torch.int64, device=dev)
+        gap = torch.ones(n_out, dtype=torch.bool, device=dev)
+        gap[dst] = False
+        want_gaps = gap.nonzero().reshape(-1)
+        if want_gaps.numel():
+            assert_bitwise_equal(h.gap_rows, want_gaps, f"gap rows ({scenario})")
+        else:
+            assert h.gap_rows is None, scenario
+        what = f"{payload}, alignment {alignment}, {scenario}"
+        assert_bitwise_equal(got.rows[dst], ref.rows, f"expert rows ({what})")
+        assert int(got.rows[gap].count_nonzero()) == 0, f"gap rows not zero ({what})"
+        assert_bitwise_equal(got.values()[dst], ref.values(), f"values ({what})")
+        for mine, theirs, name in ((got.fp8[0], ref.fp8[0], "fp8 data"), (got.fp8[1], ref.fp8[1], "fp8 scales")):
+            assert_bitwise_equal(mine[dst], theirs, f"{name} ({what})")
+        # the FP8 rows are the conversion of the rows, gap rows included
+        want_d, want_s = buf.payload.to_fp8_blockwise(got.rows, H)
+        assert_bitwise_equal(got.fp8[0], want_d, f"fp8 data of the rows ({what})")
+        assert_bitwise_equal(got.fp8[1], want_s, f"fp8 scales of the rows ({what})")
+        assert_bitwise_equal(h.row_weights[dst], ref.row_weights, f"row weights ({what})")
+        assert not bool(h.row_weights[gap].any()), what
+        assert_bitwise_equal(h.expand_row[dst], ref.handle.expand_row, f"expand_row ({what})")
+        assert bool((h.expand_row[gap] == -1).all()) and bool((h.expand_slot[gap] == -1).all()), what
+        # every slot names the shifted row
+        sl = ref.handle.slot_table
+        assert_bitwise_equal(h.slot_table, torch.where(sl >= 0, dst[sl.clamp(min=0)] if dst.numel() else sl, -1),
+                             f"slot table ({what})")
+        # combine: gap rows of y are never read (huge values and NaN there change nothing)
+        g = torch.Generator().manual_seed(seed + 100 + n)
+        y_ref = torch.randn(ref.handle.num_rows, H, generator=g).to(dev)
+        y = torch.full((n_out, H), float("nan"), device=dev)
+        y[dst] = y_ref
+        for weighted in (True, False):
+            want = buf.combine(y_ref, ref.handle, weighted=weighted)
+            assert_bitwise_equal(buf.combine(y, h, weighted=weighted), want, f"combine, weighted={weighted} ({what})")
+        # a cached dispatch keeps the layout; another alignment with the handle is refused
+        x2 = torch.randn(x.shape, generator=g).to(dev)
+        again = buf.dispatch(x2, handle=h)
+        assert_bitwise_equal(again.rows[dst], buf.dispatch(x2, handle=ref.handle).rows, f"cached dispatch ({what})")
+        assert int(again.rows[gap].count_nonzero()) == 0, what
+        _expect_value_error(lambda b=buf, t=x2, hd=h: b.dispatch(t, handle=hd, expert_alignment=alignment + 1),
+                            "expert_alignment", str(alignment))
+        # with a multiple of 32 the column conversion of the rows takes the one-pass kernel
+        if payload == "mxfp4" and alignment % 32 == 0 and sum(lens):
+            assert column_plan(got.split_lens, got.split_offsets, n_out)[1] is False, what
+    for bad in (0, -32, 2.0, True, "32"):
+        _expect_value_error(lambda a=bad: buf.dispatch(x, idx, w, expert_alignment=a), "expert_alignment",
+                            "positive int")
+    return None
+
+
+def case_autograd_aligned(ctx, seed, alignment):
+    """Gradients of x and of the top-k weights through an aligned dispatch -> experts -> combine
+    equal those of the back-to-back layout, bit for bit (dyadic data; junk in y's gap rows)."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world, "duplicates" if seed % 2 else "random", dyadic=True)
+    gs = [torch.randint(-2, 3, (x.shape[0], H), generator=torch.Generator().manual_seed(seed + 7 + r)).float()
+          * 0.5 for r, x in enumerate(xs)]
+    results = []
+    for a in (1, alignment):
+        x = xs[rank].to(dev, torch.bfloat16).requires_grad_(True)
+        w = ws[rank].to(dev).requires_grad_(True)
+        buf = Buffer(n_exp, ctx.group, payload="bf16")
+        values, out = dispatch_with_grad(buf, x, idxs[rank].to(dev), w, expert_alignment=a)
+        junk = torch.zeros(values.shape, dtype=torch.bfloat16, device=dev)
+        if out.handle.gap_rows is not None:
+            junk[out.handle.gap_rows] = 1024.0
+        y = values * 1.5 + junk  # the gap rows' junk must not reach the output or the gradients
+        got = combine_with_grad(buf, y, out.handle, w)
+        got.backward(gs[rank].to(dev, torch.bfloat16))
+        results.append((got.detach(), x.grad, w.grad))
+    for name, a, b in zip(("output", "grad x", "grad topk_weights"), results[0], results[1]):
+        assert_bitwise_equal(b, a, f"{name}, alignment {alignment}")
+    return None
+
+
 class _PackingBlockBackend(TorchDistributedBackend):
     """Takes the per-rank block path of Buffer.dispatch (as NCCL does) over gloo, packing blocks."""
 
@@ -516,6 +619,18 @@ def test_autograd_matches_single_process(pool, world, backward_payload):
 @pytest.mark.parametrize("world", [2, 3])
 def test_errors_raise_value_error_on_every_rank(pool, world):
     pool.run(case_errors, fresh_seed(), ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("mxfp4", 128), ("bf16", 8), ("fp8", 16),
+                                               ("nvfp4", 32), ("mxfp4", 1)])
+def test_expert_alignment(pool, world, payload, alignment):
+    pool.run(case_expert_alignment, fresh_seed(), payload, alignment, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_autograd_with_expert_alignment(pool, world):
+    pool.run(case_autograd_aligned, fresh_seed(), 32, ranks=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

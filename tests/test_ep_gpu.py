@@ -16,7 +16,9 @@ from test_ep_dist import (
     SCENARIOS,
     _to,
     case_autograd,
+    case_autograd_aligned,
     case_errors,
+    case_expert_alignment,
     case_payload_rows,
     case_roundtrip_bf16,
     expected_order,
@@ -64,15 +66,17 @@ def case_large_rows(ctx, seed, payload, hidden, tokens):
     return len(order)
 
 
-def case_sync_budget(ctx, seed):
-    """One host sync in a full dispatch; none in a cached dispatch or a combine (bf16 payload)."""
+def case_sync_budget(ctx, seed, payload="bf16", alignment=1):
+    """One host sync in a full dispatch; none in a cached dispatch (its rows and, with an alignment,
+    its FP8 rows and their zero gap rows) or a combine."""
     g = torch.Generator().manual_seed(seed)
     dev = ctx.device
     x = torch.randn(64, 256, generator=g).to(dev, torch.bfloat16)
     idx = torch.argsort(torch.rand(64, 8, generator=g), 1)[:, :3].to(dev)
     w = torch.rand(64, 3, generator=g).to(dev)
-    buf = Buffer(8, ctx.group, payload="bf16")
-    warm = buf.dispatch(x, idx, w)  # warm up the allocator, NCCL and the combine kernels
+    buf = Buffer(8, ctx.group, payload=payload)
+    fp8 = alignment > 1
+    warm = buf.dispatch(x, idx, w, expert_alignment=alignment, return_fp8=fp8)  # warm up the allocator, NCCL, kernels
     buf.combine(warm.values(), warm.handle)
     buf.combine(warm.values(), warm.handle, weighted=False)
     torch.cuda.synchronize()
@@ -80,20 +84,25 @@ def case_sync_budget(ctx, seed):
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            out = buf.dispatch(x, idx, w)
+            out = buf.dispatch(x, idx, w, expert_alignment=alignment, return_fp8=fp8)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(c.message) for c in caught if "called a synchronizing" in str(c.message)]
     assert len(syncs) <= 1, syncs
+    assert out.handle.expert_alignment == alignment
     y = out.values()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        again = buf.dispatch(x, handle=out.handle)
+        again = buf.dispatch(x, handle=out.handle, return_fp8=fp8)
+        rows = again.rows
         combined = buf.combine(y, out.handle)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert_bitwise_equal(again.rows, out.rows, "cached dispatch")
+    assert_bitwise_equal(rows, out.rows, "cached dispatch")
+    if fp8:
+        assert_bitwise_equal(again.fp8[0], out.fp8[0], "cached dispatch, fp8 data")
+        assert_bitwise_equal(again.fp8[1], out.fp8[1], "cached dispatch, fp8 scales")
     return len(syncs), tuple(combined.shape)
 
 
@@ -146,18 +155,20 @@ class _TritonOff:
             os.environ["MOE_FP4_EP_TRITON"] = self.old
 
 
-def case_symm_matches_nccl(ctx, seed, payload, mode, scenario):
+def case_symm_matches_nccl(ctx, seed, payload, mode, scenario, alignment=1):
     """Dispatch (full and cached) and combine (every wire, weighted or not) over symmetric memory
-    and over NCCL with the Triton kernels give the bits of the torch reference paths."""
+    and over NCCL with the Triton kernels give the bits of the torch reference paths (with the
+    experts' rows at ``alignment``)."""
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
     nccl = Buffer(n_exp, ctx.group, payload=payload)
     symm = _symm_buffer(ctx, n_exp, payload, *_mode(mode))
     assert symm.backend.name == "symm" and symm._direct(x)
     with _TritonOff():
-        ref = nccl.dispatch(x, idx, w, return_fp8=True)
-    _same_outputs(nccl.dispatch(x, idx, w, return_fp8=True), ref, f"{payload} NCCL dispatch with Triton")
-    got = symm.dispatch(x, idx, w, return_fp8=True)
+        ref = nccl.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
+    _same_outputs(nccl.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment), ref,
+                  f"{payload} NCCL dispatch with Triton")
+    got = symm.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
     _check_mode(symm, mode)
     _same_outputs(got, ref, f"{payload} full dispatch")
     for _ in range(2):  # cached dispatches reuse the staging buffer behind the barriers
@@ -325,6 +336,12 @@ def test_symm_matches_nccl_ragged(pool, scenario, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", mode, scenario)
 
 
+@pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("bf16", 16)])
+@pytest.mark.parametrize("mode", ["push", "fp8pull", "pull3"])
+def test_symm_matches_nccl_aligned(pool, payload, alignment, mode):
+    pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "duplicates", alignment)
+
+
 @pytest.mark.parametrize("mode", ["push", "pull4"])
 def test_symm_deepseek_rows(pool, mode):
     pool.run(case_symm_large, fresh_seed(), mode)
@@ -375,6 +392,20 @@ def test_autograd_nccl(pool, backward_payload):
 
 def test_errors_nccl(pool):
     pool.run(case_errors, fresh_seed())
+
+
+@pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("mxfp4", 128), ("bf16", 8), ("fp8", 16)])
+def test_expert_alignment_nccl(pool, payload, alignment):
+    pool.run(case_expert_alignment, fresh_seed(), payload, alignment)
+
+
+def test_autograd_with_expert_alignment_nccl(pool):
+    pool.run(case_autograd_aligned, fresh_seed(), 32)
+
+
+def test_sync_budget_with_expert_alignment_nccl(pool):
+    res = pool.run(case_sync_budget, fresh_seed(), "mxfp4", 32)
+    assert all(r[0] == 1 for r in res), res
 
 
 def test_sync_budget_nccl(pool):

@@ -186,6 +186,35 @@ def test_world_of_one_dispatch_combine():
     assert_bitwise_equal(got, ref.to(torch.bfloat16), "combine")
 
 
+
+@pytest.mark.parametrize("alignment", [2, 32])
+def test_world_of_one_expert_alignment(alignment):
+    """A world of one with expert_alignment: every expert starts on a multiple of it, the rows are
+    the back-to-back rows at those starts, the rows between are zero and combine ignores them."""
+    buf = Buffer(6, payload="mxfp4")
+    x = torch.randn(23, 128)
+    idx = random_routing(23, 4, 6)
+    w = torch.rand(23, 4)
+    ref = buf.dispatch(x, idx, w, return_fp8=True)
+    got = buf.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
+    lens = ref.tokens_per_expert
+    padded = [-(-c // alignment) * alignment for c in lens]
+    starts = [sum(padded[:e]) for e in range(6)]
+    assert got.split_offsets.tolist() == starts and got.split_lens.tolist() == lens
+    assert got.handle.num_rows == sum(padded) == got.rows.shape[0] == got.fp8[0].shape[0]
+    dst = torch.tensor([starts[e] + i for e, c in enumerate(lens) for i in range(c)])
+    gap = torch.ones(sum(padded), dtype=torch.bool)
+    gap[dst] = False
+    assert_bitwise_equal(got.rows[dst], ref.rows, "rows")
+    assert int(got.rows[gap].count_nonzero()) == 0
+    assert_bitwise_equal(got.fp8[0][dst], ref.fp8[0], "fp8 data")
+    assert_bitwise_equal(got.fp8[1][dst], ref.fp8[1], "fp8 scales")
+    y = torch.full((sum(padded), 128), float("inf"))
+    y[dst] = ref.values().float() * 3
+    assert_bitwise_equal(buf.combine(y, got.handle), buf.combine(ref.values().float() * 3, ref.handle), "combine")
+    with pytest.raises(ValueError, match="y: expected"):
+        buf.combine(ref.values(), got.handle)  # the back-to-back row count
+
 def test_make_backend_choices():
     assert isinstance(make_backend(None, None), LocalBackend)
     assert isinstance(make_backend(None, "local"), LocalBackend)

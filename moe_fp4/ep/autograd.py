@@ -18,8 +18,9 @@ from moe_fp4.ep.payloads import get_payload
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink):
-        out = buffer.dispatch(x.detach(), topk_idx, topk_weights, handle=handle, payload=payload)
+    def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink, alignment):
+        out = buffer.dispatch(x.detach(), topk_idx, topk_weights, handle=handle, payload=payload,
+                              expert_alignment=alignment)
         sink.append(out)
         ctx.buffer, ctx.handle, ctx.backward_payload, ctx.x_dtype = buffer, out.handle, backward_payload, x.dtype
         return out.values(dtype)
@@ -27,23 +28,25 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gx = ctx.buffer.combine(grad.contiguous(), ctx.handle, weighted=False, payload=ctx.backward_payload)
-        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None
 
 
 def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                        topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
-                       payload=None, backward_payload="bf16",
-                       dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, DispatchOutput]:
+                       payload=None, backward_payload="bf16", dtype: torch.dtype = torch.bfloat16,
+                       expert_alignment: int | None = None) -> tuple[torch.Tensor, DispatchOutput]:
     """Differentiable dispatch.
 
     x: float [T, H] (requires grad); topk_idx int64 [T, k]; topk_weights float [T, k] or None (carried
     to the experts' ranks for combine; dispatch itself does not differentiate them).
-    Returns (values ``dtype`` [N, H]: the received rows decoded, grouped by local expert; the
+    Returns (values ``dtype`` [N, H]: the received rows decoded, grouped by local expert, each
+    expert's rows starting on a multiple of ``expert_alignment`` (see ``Buffer.dispatch``); the
     DispatchOutput with the rows, splits and handle). The gradient of values flows back to x
-    through a combine with ``backward_payload``."""
+    through a combine with ``backward_payload`` (gap rows' gradients are ignored)."""
     get_payload(backward_payload)
     sink: list[DispatchOutput] = []
-    values = _Dispatch.apply(x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink)
+    values = _Dispatch.apply(x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink,
+                             expert_alignment)
     return values, sink[0]
 
 
@@ -70,9 +73,13 @@ class _Combine(torch.autograd.Function):
         if ctx.weighted and ctx.needs_input_grad[1]:
             dots = (g * y.detach().to(torch.float32)).sum(dim=1)  # d out_t / d w_tj = <grad_t, y_tj>
             k = handle.num_topk
-            per_slot = torch.zeros(handle.num_recv_tokens * k, dtype=torch.float32, device=g.device)
-            per_slot.scatter_(0, handle.expand_row * k + handle.expand_slot, dots)
-            per_slot = per_slot.reshape(-1, k)
+            n_slots = handle.num_recv_tokens * k
+            per_slot = torch.zeros(n_slots + 1, dtype=torch.float32, device=g.device)  # + 1: gap rows' sink
+            slot = handle.expand_row * k + handle.expand_slot
+            if handle.gap_rows is not None:
+                slot = torch.where(handle.expand_row >= 0, slot, n_slots)
+            per_slot.scatter_(0, slot, dots)
+            per_slot = per_slot[:n_slots].reshape(-1, k)
             back = torch.empty(sum(handle.send_counts), k, dtype=torch.float32, device=g.device)
             buffer.backend.all_to_all(back.view(torch.uint8), per_slot.view(torch.uint8),
                                       handle.send_counts, handle.recv_counts)

@@ -10,7 +10,9 @@ rank):
      rows (each token once per destination rank);
   5. the receiver expands each token to one row per (token, slot) whose expert is local, grouped
      by local expert (stable: by source rank, then source token order, then slot): ragged segments
-     ``split_lens`` / ``split_offsets`` with no padding, optionally converted to FP8 1x128.
+     ``split_lens`` / ``split_offsets``, back to back (``expert_alignment=1``, the default) or each
+     starting on a multiple of ``expert_alignment`` rows with zero rows between them; optionally
+     converted to FP8 1x128.
 A dispatch given a ``handle`` reuses its layout: no count or metadata exchange, no host sync.
 
 Combine (no host synchronisation; the handle holds the split sizes) returns BF16 [T, H]. It APPLIES
@@ -70,7 +72,10 @@ class DispatchHandle:
     row_weights: float32 [N] or None, the weight of each output row;
     tokens_per_expert: host ints [L]; split_lens / split_offsets: int64 [L] on the device;
     slot_counts: host ints [k]; slot_row / slot_out / slot_weights: [N], the output rows ordered by
-    (slot, received token), used by combine's deterministic accumulation."""
+    (slot, received token), used by combine's deterministic accumulation;
+    expert_alignment: every expert's rows start on a multiple of it; gap_rows: int64 [N_gap], the
+    output rows between the experts' rows (None when there are none): expand_row and expand_slot
+    are -1 there, row_weights 0, and no slot names them."""
 
     rank: int
     world_size: int
@@ -99,6 +104,8 @@ class DispatchHandle:
     peer_num_tokens: list[int] = field(default_factory=list)  # host ints [W]: tokens of each rank's batch
     count_matrix: list[list[int]] = field(default_factory=list)  # host ints [W][W]: tokens rank s sends to d
     direct_cache: dict = field(default_factory=dict, repr=False)  # index tensors of the direct backend
+    expert_alignment: int = 1
+    gap_rows: torch.Tensor | None = None
 
     @property
     def num_recv_tokens(self) -> int:
@@ -106,8 +113,8 @@ class DispatchHandle:
 
     @property
     def num_rows(self) -> int:
-        """Rows of the dispatch output (and of combine's input)."""
-        return sum(self.tokens_per_expert)
+        """Rows of the dispatch output (and of combine's input), gap rows included."""
+        return sum(aligned_counts(self.tokens_per_expert, self.expert_alignment))
 
     @property
     def experts_per_rank(self) -> int:
@@ -120,14 +127,16 @@ class DispatchOutput:
     recv_rows: uint8 [n_recv, row_bytes], one per received token (grouped by source rank), as they
       arrived;
     rows: uint8 [N, payload.row_bytes(H)], one per (token, local slot), grouped by local expert
-      (gathered from recv_rows on first access);
+      (gathered from recv_rows on first access); with an ``expert_alignment`` above 1 the rows
+      between the experts' rows are zero bytes;
     split_lens / split_offsets: int64 [L], expert e's rows are [off_e, off_e + len_e);
     tokens_per_expert: host ints [L] (the same lengths);
     recv_topk_idx: int64 [n_recv, k] local expert ids per received token (-1: not on this rank);
     recv_topk_weights: float32 [n_recv, k] or None;
     row_weights: float32 [N] or None, the top-k weight of each output row;
     fp8: (float8_e4m3fn [N, H], float32 [N, H/128]) in the order of ``rows`` once
-      ``to_fp8_blockwise`` ran (dispatch's ``return_fp8=True``), else None;
+      ``to_fp8_blockwise`` ran (dispatch's ``return_fp8=True``), else None (gap rows: the conversion
+      of a zero row);
     recv_fp8: (float8_e4m3fn [n_recv, H], float32 [n_recv, H/128]), one row per received token (the
       layout of ``recv_rows``, with ``recv_topk_idx``), once ``recv_to_fp8_blockwise`` ran (dispatch's
       ``return_fp8="tokens"``), else None;
@@ -145,7 +154,11 @@ class DispatchOutput:
     @property
     def rows(self) -> torch.Tensor:
         if self._rows is None:
-            self._rows = gather_rows(self.recv_rows, self.handle.expand_row)
+            h = self.handle
+            if h.gap_rows is None:
+                self._rows = gather_rows(self.recv_rows, h.expand_row)
+            else:  # gap rows gather row 0 (there is one: some expert has rows), then become zeros
+                self._rows = gather_rows(self.recv_rows, h.expand_row.clamp(min=0)).index_fill_(0, h.gap_rows, 0)
         return self._rows
 
     @property
@@ -188,8 +201,9 @@ class DispatchOutput:
         conversion is row by row, so the bits equal converting ``rows``)."""
         if self.fp8 is None:
             h = self.handle
-            self.fp8 = self.payload.expand_fp8_blockwise(self.recv_rows, self.hidden, h.slot_table, h.num_rows,
-                                                         h.expand_row)
+            index = h.expand_row if h.gap_rows is None else h.expand_row.clamp(min=0)
+            self.fp8 = fill_gap_rows(self.payload.expand_fp8_blockwise(self.recv_rows, self.hidden, h.slot_table,
+                                                                       h.num_rows, index), self.payload, h)
         return self.fp8
 
     def recv_to_fp8_blockwise(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +212,36 @@ class DispatchOutput:
         if self.recv_fp8 is None:
             self.recv_fp8 = self.payload.to_fp8_blockwise(self.recv_rows, self.hidden)
         return self.recv_fp8
+
+
+def aligned_counts(counts: list[int], alignment: int) -> list[int]:
+    """Host ints: each count rounded up to a multiple of ``alignment``."""
+    return [-(-c // alignment) * alignment for c in counts]
+
+
+def fill_gap_rows(fp8: tuple[torch.Tensor, torch.Tensor], codec: PayloadCodec,
+                  handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
+    """The handle's gap rows of an FP8 1x128 expert-row pair set, in place, to the payload's
+    conversion of a zero row (so that the pair equals converting ``DispatchOutput.rows``)."""
+    if handle.gap_rows is not None:
+        data, scales = fp8
+        zero = torch.zeros(1, codec.row_bytes(data.shape[1]), dtype=torch.uint8, device=data.device)
+        z_data, z_scales = codec.to_fp8_blockwise(zero, data.shape[1])
+        n = handle.gap_rows.shape[0]
+        data.view(torch.uint8).index_copy_(0, handle.gap_rows, z_data.view(torch.uint8).expand(n, -1))
+        scales.index_copy_(0, handle.gap_rows, z_scales.expand(n, -1))
+    return fp8
+
+
+def _check_alignment(expert_alignment, handle: DispatchHandle | None) -> int:
+    if expert_alignment is None:
+        return handle.expert_alignment if handle is not None else 1
+    if isinstance(expert_alignment, bool) or not isinstance(expert_alignment, int) or expert_alignment < 1:
+        raise ValueError(f"expert_alignment: expected a positive int, got {expert_alignment!r}")
+    if handle is not None and expert_alignment != handle.expert_alignment:
+        raise ValueError(f"expert_alignment: the handle lays its rows out with alignment {handle.expert_alignment}, "
+                         f"got {expert_alignment}")
+    return expert_alignment
 
 
 def _convert(out: DispatchOutput, return_fp8) -> None:
@@ -301,7 +345,7 @@ class Buffer:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
-                 payload=None, return_fp8: bool = False) -> DispatchOutput:
+                 payload=None, return_fp8: bool = False, expert_alignment: int | None = None) -> DispatchOutput:
         """Send each token to the ranks of its experts.
 
         x: float32/bfloat16/float16 [T, H] on the backend's device, H a multiple of the payload's
@@ -320,9 +364,17 @@ class Buffer:
           (``symmetric.push_rows_fp8``); otherwise the rows are converted after the transfer. The bits
           are the same either way. With the symm backend every rank must pass the same value (the
           paths lay out the transfer buffers differently).
+        expert_alignment: a positive int (default 1, or the handle's): each local expert's rows
+          start on a multiple of it, with zero rows after each expert up to the next multiple (the
+          layout grouped GEMMs with aligned groups take; with a multiple of 32,
+          ``ops.mxfp4_rows_to_fp8_cols`` converts the rows in one pass). ``split_offsets`` give the
+          starts, ``tokens_per_expert`` / ``split_lens`` the true counts, ``handle.num_rows`` the
+          rows in all; combine takes y with those rows and ignores the gap rows. It only shapes
+          this rank's output: ranks may differ.
         """
         if return_fp8 not in (False, True, "rows", "tokens"):
             raise ValueError(f"return_fp8: expected False, True, 'rows' or 'tokens', got {return_fp8!r}")
+        alignment = _check_alignment(expert_alignment, handle if isinstance(handle, DispatchHandle) else None)
         codec = get_payload(payload) if payload is not None else self.payload
         if handle is not None:
             self._check_handle(handle)
@@ -330,7 +382,7 @@ class Buffer:
             if x.shape[0] != handle.num_tokens:
                 raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {x.shape[0]}")
         else:
-            handle = self._exchange_layout(x, topk_idx, topk_weights, codec)
+            handle = self._exchange_layout(x, topk_idx, topk_weights, codec, alignment)
         hidden = x.shape[1]
         if self._direct(x):
             per_token = return_fp8 == "tokens"
@@ -345,7 +397,7 @@ class Buffer:
                 elif per_token:
                     out.recv_fp8 = fp8
                 else:
-                    out.fp8 = fp8
+                    out.fp8 = fill_gap_rows(fp8, codec, handle)
                 return out
             out = DispatchOutput(symmetric.dispatch_rows(self.backend, x, codec, handle), codec, hidden, handle)
             _convert(out, return_fp8)
@@ -397,7 +449,7 @@ class Buffer:
         for work in works:
             work.wait()
 
-    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec) -> DispatchHandle:
+    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec, alignment: int = 1) -> DispatchHandle:
         w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
         local_error = None
         try:
@@ -458,12 +510,12 @@ class Buffer:
         peer_num_tokens = [p[size_at] for p in peers]
         count_matrix = [p[size_at + 1:size_at + 1 + w] for p in peers]
         handle = self._build_handle(x, topk_idx, topk_weights, layout, send_counts, recv_counts,
-                                    tokens_per_expert, slot_counts, split_lens)
+                                    tokens_per_expert, slot_counts, split_lens, alignment)
         handle.peer_num_tokens, handle.count_matrix = peer_num_tokens, count_matrix
         return handle
 
     def _build_handle(self, x, topk_idx, topk_weights, layout, send_counts, recv_counts, tokens_per_expert,
-                      slot_counts, split_lens) -> DispatchHandle:
+                      slot_counts, split_lens, alignment: int = 1) -> DispatchHandle:
         # Every step below is one or a few whole-tensor ops: a full dispatch pays a launch per op.
         dev, ell, w = self.device, self.experts_per_rank, self.world_size
         t, k = topk_idx.shape
@@ -490,11 +542,35 @@ class Buffer:
         # expansion: one output row per (received token, local slot), grouped by local expert (stable)
         valid = recv_ids >= 0
         order = torch.sort(torch.where(valid, recv_ids, ell).reshape(-1), stable=True).indices[:n_rows]
-        expand_row, expand_slot = order // k, order % k
+        split_offsets = torch.cumsum(split_lens, 0) - split_lens
+        out_row, gap_rows, n_out = None, None, n_rows  # output row of the i-th expanded row: i
+        if alignment > 1:
+            # expert e's rows start at the aligned prefix of the counts; device ops only (no sync)
+            aligned = (split_lens + alignment - 1) // alignment * alignment
+            starts = torch.cumsum(aligned, 0) - aligned
+            n_out = sum(aligned_counts(tokens_per_expert, alignment))
+            experts = torch.arange(ell, device=dev)
+            of_row = torch.repeat_interleave(experts, split_lens, output_size=n_rows)
+            out_row = torch.arange(n_rows, device=dev) + (starts - split_offsets)[of_row]
+            gaps = aligned - split_lens
+            if n_out > n_rows:  # the rows [start_e + len_e, start_e + aligned_e) of each expert
+                of_gap = torch.repeat_interleave(experts, gaps, output_size=n_out - n_rows)
+                first_gap = torch.cumsum(gaps, 0) - gaps
+                gap_rows = (starts + split_lens - first_gap)[of_gap] + torch.arange(n_out - n_rows, device=dev)
+            split_offsets = starts
         # slot_table [n_recv, k]: the output row of (received token, slot), -1 if none
         slot_table = torch.full((n_recv * k,), -1, dtype=torch.int64, device=dev)
-        slot_table.scatter_(0, order, torch.arange(n_rows, device=dev))
+        slot_table.scatter_(0, order, torch.arange(n_rows, device=dev) if out_row is None else out_row)
         slot_table = slot_table.view(n_recv, k)
+        row_weights = recv_w.reshape(-1)[order] if recv_w is not None else None
+        if out_row is None:
+            expand_row, expand_slot = order // k, order % k
+        else:
+            expand_row = torch.full((n_out,), -1, dtype=torch.int64, device=dev).index_copy_(0, out_row, order // k)
+            expand_slot = torch.full((n_out,), -1, dtype=torch.int64, device=dev).index_copy_(0, out_row, order % k)
+            if row_weights is not None:
+                row_weights = torch.zeros(n_out, dtype=row_weights.dtype, device=dev).index_copy_(0, out_row,
+                                                                                                 row_weights)
         # the same rows ordered by (slot, received token): combine adds slot by slot
         slot_key = torch.where(valid.t(), torch.arange(k * n_recv, device=dev).view(k, n_recv), k * n_recv)
         slot_key = torch.sort(slot_key.reshape(-1)).values[:n_rows]  # slot * n_recv + token, distinct
@@ -506,14 +582,13 @@ class Buffer:
             rank=self.rank, world_size=w, num_experts=self.num_experts, hidden=x.shape[1],
             num_topk=k, num_tokens=t, send_counts=send_counts, recv_counts=recv_counts, send_token=send_token,
             recv_topk_idx=recv_ids, recv_topk_weights=recv_w, expand_row=expand_row, expand_slot=expand_slot,
-            row_weights=recv_w.reshape(-1)[order] if recv_w is not None else None,
-            tokens_per_expert=tokens_per_expert, split_lens=split_lens,
-            split_offsets=torch.cumsum(split_lens, 0) - split_lens,
+            row_weights=row_weights, tokens_per_expert=tokens_per_expert, split_lens=split_lens,
+            split_offsets=split_offsets,
             slot_counts=slot_counts,
             slot_row=slot_row, slot_out=slot_table[slot_row, slot_col],
             slot_weights=recv_w[slot_row, slot_col] if recv_w is not None else None,
             slot_table=slot_table, rank_table=rank_table.view(w, t).t().contiguous(),
-            recv_src_token=recv_src_token,
+            recv_src_token=recv_src_token, expert_alignment=alignment, gap_rows=gap_rows,
         )
 
     # -------------------------------------------------------------------------------------------

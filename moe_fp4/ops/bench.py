@@ -180,6 +180,28 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         launch = _ops.column_launch(glens, goffs, t)
         us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
         add(f"FP4RowToFP8Col {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
+        # the rows of a real dispatch (a world of one: top-8 of 32 experts over t / 8 tokens), as a
+        # wgrad operand: back to back (ragged, two passes) against expert_alignment=32 (every expert
+        # at a multiple of 32 rows, zero rows between: one pass). Bytes: the rows read, every output
+        # column written (gap rows included).
+        if t % 8 == 0:
+            from moe_fp4.ep import Buffer
+            from moe_fp4.ep.backends import LocalBackend
+
+            buf = Buffer(experts, backend=LocalBackend("cuda"), payload="mxfp4")
+            idx = torch.argsort(torch.rand(t // 8, experts, device="cuda"), 1)[:, :8]
+            for align in (1, 32):
+                first = buf.dispatch(xs[0][: t // 8], idx, expert_alignment=align)
+                outs = [first] + [buf.dispatch(xs[i][: t // 8], handle=first.handle) for i in range(1, ns)]
+                views = [formats.unpack_mxfp4_rows(o.rows, h) for o in outs]
+                dl, do, n_out = first.split_lens, first.split_offsets, first.handle.num_rows
+                launch = _ops.column_launch(dl, do, n_out)
+                us = _median_us(lambda i, v=views, dl=dl, do=do, launch=launch: native.mxfp4_to_fp8_cols(
+                    v[i][0], v[i][1], dl, do, *launch), ns, reps)
+                name = "back to back" if align == 1 else f"expert_alignment={align}"
+                add(f"FP4RowToFP8Col dispatch output, top-8 of {experts}, {name}", shape, us,
+                    fp4_bytes + n_out * h + n_out * h // 128 * 4)
+                del outs, views
         # the public op per call, host time included (it reads the splits on the host): splits on the
         # device (the read waits for the device each call) against the same splits on the CPU
         for name, ls in ((f"{experts} experts", lens), (f"{experts} experts, 32-row starts", plens)):
