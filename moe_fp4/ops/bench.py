@@ -188,7 +188,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
             from moe_fp4.ep import Buffer
             from moe_fp4.ep.backends import LocalBackend
 
-            buf = Buffer(experts, backend=LocalBackend("cuda"), payload="mxfp4")
+            buf = Buffer(experts, backend=LocalBackend(xs[0].device), payload="mxfp4")
             idx = torch.argsort(torch.rand(t // 8, experts, device="cuda"), 1)[:, :8]
             for align in (1, 32):
                 first = buf.dispatch(xs[0][: t // 8], idx, expert_alignment=align)
