@@ -427,6 +427,21 @@ def case_expert_alignment(ctx, seed, payload, alignment):
         # with a multiple of 32 the column conversion of the rows takes the one-pass kernel
         if payload == "mxfp4" and alignment % 32 == 0 and sum(lens):
             assert column_plan(got.split_lens, got.split_offsets, n_out)[1] is False, what
+        # the wgrad operand: the spec's column conversion of the rows; the back-to-back layout's
+        # columns at the shifted rows, zero columns for the gap rows, the same scales
+        if payload == "mxfp4":
+            cd, cs, cg = got.to_fp8_cols()
+            packed, sc = formats.unpack_mxfp4_rows(got.rows, H)
+            sd, ss, sg = formats.mxfp4_rows_to_fp8_cols(packed, sc, got.split_lens, got.split_offsets)
+            for a, b, name in ((cd, sd, "data"), (cs, ss, "scales"), (cg, sg, "group offsets")):
+                assert_bitwise_equal(a, b, f"fp8 columns, {name} ({what})")
+            rd, rs, rg = ref.to_fp8_cols()
+            assert_bitwise_equal(cd[:, dst], rd, f"fp8 columns at the shifted rows ({what})")
+            assert not bool(cd[:, gap].view(torch.uint8).any()), what
+            assert_bitwise_equal(cs, rs, f"fp8 column scales ({what})")
+            assert_bitwise_equal(cg, rg, f"group offsets ({what})")
+        else:
+            _expect_value_error(got.to_fp8_cols, "to_fp8_cols", "mxfp4")
     for bad in (0, -32, 2.0, True, "32"):
         _expect_value_error(lambda a=bad: buf.dispatch(x, idx, w, expert_alignment=a), "expert_alignment",
                             "positive int")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moe_fp4 import formats, ops
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
 from moe_fp4.ep.layout import (
@@ -212,6 +213,21 @@ class DispatchOutput:
         if self.recv_fp8 is None:
             self.recv_fp8 = self.payload.to_fp8_blockwise(self.recv_rows, self.hidden)
         return self.recv_fp8
+
+    def to_fp8_cols(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The expert rows as the FP8 column operand of the weight gradient: ``ops.mxfp4_rows_to_fp8_cols``
+        of ``rows`` with this output's splits (float8_e4m3fn [H, N] column-major, float32 [H, G] scales
+        per 128 rows of each expert, int64 [L + 1] group offsets). The splits go from the host
+        (``tokens_per_expert``), so the call does not wait for the device. With an ``expert_alignment``
+        that is a multiple of 32 the conversion takes one pass instead of two; gap rows come out as
+        zero columns. Needs the mxfp4 payload; computed on each call (not kept)."""
+        if self.payload.name != "mxfp4":
+            raise ValueError(f"to_fp8_cols: needs the mxfp4 payload, this dispatch used {self.payload.name!r}")
+        h = self.handle
+        lens = torch.tensor(h.tokens_per_expert, dtype=torch.int64)
+        offs = torch.tensor(start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment)), dtype=torch.int64)
+        packed, scales = formats.unpack_mxfp4_rows(self.rows, self.hidden)
+        return ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
 
 
 def aligned_counts(counts: list[int], alignment: int) -> list[int]:

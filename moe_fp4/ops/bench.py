@@ -199,8 +199,11 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                 us = _median_us(lambda i, v=views, dl=dl, do=do, launch=launch: native.mxfp4_to_fp8_cols(
                     v[i][0], v[i][1], dl, do, *launch), ns, reps)
                 name = "back to back" if align == 1 else f"expert_alignment={align}"
-                add(f"FP4RowToFP8Col dispatch output, top-8 of {experts}, {name}", shape, us,
-                    fp4_bytes + n_out * h + n_out * h // 128 * 4)
+                nbytes = fp4_bytes + n_out * h + n_out * h // 128 * 4
+                add(f"FP4RowToFP8Col dispatch output, top-8 of {experts}, {name}", shape, us, nbytes)
+                # the public path per call, host time included: DispatchOutput.to_fp8_cols (host splits)
+                us = _call_us(lambda i, o=outs: o[i].to_fp8_cols(), ns, reps)
+                add(f"FP4RowToFP8Col op per call, dispatch output.to_fp8_cols(), {name}", shape, us, nbytes)
                 del outs, views
         # the public op per call, host time included (it reads the splits on the host): splits on the
         # device (the read waits for the device each call) against the same splits on the CPU
