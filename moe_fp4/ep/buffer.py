@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from moe_fp4 import formats, ops
+from moe_fp4 import formats
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
 from moe_fp4.ep.layout import (
@@ -51,6 +51,7 @@ from moe_fp4.ep.payloads import (
     gather_rows,
     get_payload,
 )
+from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
@@ -220,14 +221,15 @@ class DispatchOutput:
         per 128 rows of each expert, int64 [L + 1] group offsets). The splits go from the host
         (``tokens_per_expert``), so the call does not wait for the device. With an ``expert_alignment``
         that is a multiple of 32 the conversion takes one pass instead of two; gap rows come out as
-        zero columns. Needs the mxfp4 payload; computed on each call (not kept)."""
+        zero columns. Needs the mxfp4 payload; computed on each call (not kept; the plan of the
+        conversion is kept with the handle, so that a cached dispatch's call is a kernel launch)."""
         if self.payload.name != "mxfp4":
             raise ValueError(f"to_fp8_cols: needs the mxfp4 payload, this dispatch used {self.payload.name!r}")
         h = self.handle
-        lens = torch.tensor(h.tokens_per_expert, dtype=torch.int64)
-        offs = torch.tensor(start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment)), dtype=torch.int64)
+        starts = start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment))
         packed, scales = formats.unpack_mxfp4_rows(self.rows, self.hidden)
-        return ops.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
+        return mxfp4_rows_to_fp8_cols_planned(packed, scales, h.tokens_per_expert, starts,
+                                              h.direct_cache.setdefault("fp8_cols", {}))
 
 
 def aligned_counts(counts: list[int], alignment: int) -> list[int]:

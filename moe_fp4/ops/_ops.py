@@ -357,6 +357,29 @@ def column_launch(
     return _launch(*_host_splits(split_lens, split_offsets, total_rows))
 
 
+def mxfp4_rows_to_fp8_cols_planned(
+    packed: torch.Tensor, scales: torch.Tensor, lens: list[int], starts: list[int], cache: dict
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The column op for segments known on the host as ints (a dispatch layer's counts and starts,
+    valid by construction): the plan, the group table and the device copy of the splits are made on
+    the first call and kept in ``cache`` (a dict the caller keeps with those splits), so that a
+    later call is the kernel launch alone. Without the native kernels (or for views they do not
+    read) it is the public op with the splits on the CPU."""
+    if not (_native_for(packed) and _word_rows(packed) and _word_rows(scales)):
+        return call(mxfp4_rows_to_fp8_cols_op, packed, scales, torch.tensor(lens, dtype=torch.int64),
+                    torch.tensor(starts, dtype=torch.int64))
+    key = (packed.device, packed.shape[0])
+    plan = cache.get(key)
+    if plan is None:
+        split_starts(lens, starts, packed.shape[0])  # raises for splits outside the rows or overlapping
+        groups, two_pass, full_groups, host = _launch(lens, starts)
+        dev = (host if host is not None else _splits_tensor(lens, starts)).to(packed.device)
+        plan = cache[key] = (dev[0], dev[1], groups, two_pass, full_groups, host)
+    lens_dev, starts_dev, groups, two_pass, full_groups, host = plan
+    return _native.module().mxfp4_to_fp8_cols(packed, scales, lens_dev, starts_dev, groups, two_pass, full_groups,
+                                              host)
+
+
 @_custom_op("mxfp4_rows_to_fp8_cols")
 def mxfp4_rows_to_fp8_cols_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor, split_offsets: torch.Tensor | None
