@@ -373,7 +373,7 @@ def mxfp4_rows_to_fp8_cols_planned(
     if plan is None:
         split_starts(lens, starts, packed.shape[0])  # raises for splits outside the rows or overlapping
         groups, two_pass, full_groups, host = _launch(lens, starts)
-        dev = (host if host is not None else _splits_tensor(lens, starts)).to(packed.device)
+        dev = (host if host is not None else _splits_tensor(lens, starts)).to(packed.device, non_blocking=True)
         plan = cache[key] = (dev[0], dev[1], groups, two_pass, full_groups, host)
     lens_dev, starts_dev, groups, two_pass, full_groups, host = plan
     return _native.module().mxfp4_to_fp8_cols(packed, scales, lens_dev, starts_dev, groups, two_pass, full_groups,
