@@ -214,6 +214,9 @@ def test_world_of_one_expert_alignment(alignment):
     assert_bitwise_equal(buf.combine(y, got.handle), buf.combine(ref.values().float() * 3, ref.handle), "combine")
     with pytest.raises(ValueError, match="y: expected"):
         buf.combine(ref.values(), got.handle)  # the back-to-back row count
+    x96 = torch.randn(5, 96)  # an mxfp4 hidden size the column operand does not take
+    with pytest.raises(ValueError, match="to_fp8_cols: needs a hidden size that is a multiple of 128, got 96"):
+        buf.dispatch(x96, idx[:5], expert_alignment=alignment).to_fp8_cols()
 
 def test_make_backend_choices():
     assert isinstance(make_backend(None, None), LocalBackend)

@@ -105,7 +105,7 @@ class DispatchHandle:
     recv_src_token: torch.Tensor | None = None  # int64 [n_recv]: each received token's index at its source
     peer_num_tokens: list[int] = field(default_factory=list)  # host ints [W]: tokens of each rank's batch
     count_matrix: list[list[int]] = field(default_factory=list)  # host ints [W][W]: tokens rank s sends to d
-    direct_cache: dict = field(default_factory=dict, repr=False)  # index tensors of the direct backend
+    direct_cache: dict = field(default_factory=dict, repr=False)  # direct backend's indexes, to_fp8_cols' plan
     expert_alignment: int = 1
     gap_rows: torch.Tensor | None = None
 
@@ -225,6 +225,9 @@ class DispatchOutput:
         conversion is kept with the handle, so that a cached dispatch's call is a kernel launch)."""
         if self.payload.name != "mxfp4":
             raise ValueError(f"to_fp8_cols: needs the mxfp4 payload, this dispatch used {self.payload.name!r}")
+        if self.hidden % formats.FP8_GROUP:
+            raise ValueError(f"to_fp8_cols: needs a hidden size that is a multiple of {formats.FP8_GROUP}, "
+                             f"got {self.hidden}")
         h = self.handle
         starts = start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment))
         packed, scales = formats.unpack_mxfp4_rows(self.rows, self.hidden)
