@@ -393,6 +393,8 @@ def case_expert_alignment(ctx, seed, payload, alignment):
             assert h.gap_rows is None, scenario
         what = f"{payload}, alignment {alignment}, {scenario}"
         assert_bitwise_equal(got.rows[dst], ref.rows, f"expert rows ({what})")
+        for out in (ref, got):  # each row on a 128-byte line
+            assert out.rows.stride(0) % 128 == 0 and (not out.rows.is_cuda or out.rows.data_ptr() % 128 == 0), what
         assert int(got.rows[gap].count_nonzero()) == 0, f"gap rows not zero ({what})"
         assert_bitwise_equal(got.values()[dst], ref.values(), f"values ({what})")
         for mine, theirs, name in ((got.fp8[0], ref.fp8[0], "fp8 data"), (got.fp8[1], ref.fp8[1], "fp8 scales")):

@@ -207,6 +207,9 @@ def test_world_of_one_expert_alignment(alignment):
     gap[dst] = False
     assert_bitwise_equal(got.rows[dst], ref.rows, "rows")
     assert int(got.rows[gap].count_nonzero()) == 0
+    for out in (ref, got):  # rows of 68 bytes (H = 128) at a 128-byte row stride (CUDA's allocator
+        # also starts the buffer on a 128-byte line; the CPU's on 64 bytes)
+        assert out.rows.shape[1] == 68 and out.rows.stride() == (128, 1)
     assert_bitwise_equal(got.fp8[0][dst], ref.fp8[0], "fp8 data")
     assert_bitwise_equal(got.fp8[1][dst], ref.fp8[1], "fp8 scales")
     y = torch.full((sum(padded), 128), float("inf"))

@@ -55,6 +55,7 @@ from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
+ROW_ALIGN = 128  # bytes: DispatchOutput.rows starts each row on a cache line
 _SIGNATURE = ("hidden", "num_topk", "num_experts", "world_size", "payload")
 
 
@@ -129,8 +130,9 @@ class DispatchOutput:
     recv_rows: uint8 [n_recv, row_bytes], one per received token (grouped by source rank), as they
       arrived;
     rows: uint8 [N, payload.row_bytes(H)], one per (token, local slot), grouped by local expert
-      (gathered from recv_rows on first access); with an ``expert_alignment`` above 1 the rows
-      between the experts' rows are zero bytes;
+      (gathered from recv_rows on first access), each row starting on a 128-byte boundary (a view
+      whose row stride is the row size rounded up to 128 bytes); with an ``expert_alignment`` above 1
+      the rows between the experts' rows are zero bytes;
     split_lens / split_offsets: int64 [L], expert e's rows are [off_e, off_e + len_e);
     tokens_per_expert: host ints [L] (the same lengths);
     recv_topk_idx: int64 [n_recv, k] local expert ids per received token (-1: not on this rank);
@@ -157,10 +159,15 @@ class DispatchOutput:
     def rows(self) -> torch.Tensor:
         if self._rows is None:
             h = self.handle
+            # each row starts on a 128-byte line (H200, the column op on 32768 dispatched mxfp4 rows of
+            # 3808 bytes: 130.7 against 125.1 us when every row piece a warp reads spans two lines)
+            width = self.recv_rows.shape[1]
+            self._rows = torch.empty(h.num_rows, -(-width // ROW_ALIGN) * ROW_ALIGN, dtype=torch.uint8,
+                                     device=self.recv_rows.device)[:, :width]
             if h.gap_rows is None:
-                self._rows = gather_rows(self.recv_rows, h.expand_row)
+                gather_rows(self.recv_rows, h.expand_row, out=self._rows)
             else:  # gap rows gather row 0 (there is one: some expert has rows), then become zeros
-                self._rows = gather_rows(self.recv_rows, h.expand_row.clamp(min=0)).index_fill_(0, h.gap_rows, 0)
+                gather_rows(self.recv_rows, h.expand_row.clamp(min=0), out=self._rows).index_fill_(0, h.gap_rows, 0)
         return self._rows
 
     @property

@@ -37,8 +37,9 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None =
     dtype, last dimension contiguous), index int64 [N] -> [N, m] contiguous, same dtype.
 
     Rows move as the widest machine words that divide them (a byte row of 3808 bytes moves as 476
-    int64), so the copy runs at memory speed whatever the payload's element type. ``out``: a
-    contiguous [N, m] tensor of t's dtype to write into (e.g. a slice of a receive buffer)."""
+    int64), so the copy runs at memory speed whatever the payload's element type. ``out``: an [N, m]
+    tensor of t's dtype with a contiguous last dimension to write into (e.g. a slice of a receive
+    buffer, or a view of wider rows)."""
     nbytes = t.shape[1] * t.element_size()
     for word in _WORDS:
         size = word.itemsize
