@@ -106,7 +106,8 @@ class DispatchHandle:
     recv_src_token: torch.Tensor | None = None  # int64 [n_recv]: each received token's index at its source
     peer_num_tokens: list[int] = field(default_factory=list)  # host ints [W]: tokens of each rank's batch
     count_matrix: list[list[int]] = field(default_factory=list)  # host ints [W][W]: tokens rank s sends to d
-    direct_cache: dict = field(default_factory=dict, repr=False)  # direct backend's indexes, to_fp8_cols' plan
+    # the direct backend's index tensors, the FP8 of a zero row, to_fp8_cols' plan
+    direct_cache: dict = field(default_factory=dict, repr=False)
     expert_alignment: int = 1
     gap_rows: torch.Tensor | None = None
 
@@ -253,8 +254,11 @@ def fill_gap_rows(fp8: tuple[torch.Tensor, torch.Tensor], codec: PayloadCodec,
     conversion of a zero row (so that the pair equals converting ``DispatchOutput.rows``)."""
     if handle.gap_rows is not None:
         data, scales = fp8
-        zero = torch.zeros(1, codec.row_bytes(data.shape[1]), dtype=torch.uint8, device=data.device)
-        z_data, z_scales = codec.to_fp8_blockwise(zero, data.shape[1])
+        key = ("zero_fp8", codec.name, data.shape[1])  # converted once per handle, not per dispatch
+        if key not in handle.direct_cache:
+            zero = torch.zeros(1, codec.row_bytes(data.shape[1]), dtype=torch.uint8, device=data.device)
+            handle.direct_cache[key] = codec.to_fp8_blockwise(zero, data.shape[1])
+        z_data, z_scales = handle.direct_cache[key]
         n = handle.gap_rows.shape[0]
         data.view(torch.uint8).index_copy_(0, handle.gap_rows, z_data.view(torch.uint8).expand(n, -1))
         scales.index_copy_(0, handle.gap_rows, z_scales.expand(n, -1))

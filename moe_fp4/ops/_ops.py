@@ -372,12 +372,18 @@ def mxfp4_rows_to_fp8_cols_planned(
     plan = cache.get(key)
     if plan is None:
         split_starts(lens, starts, packed.shape[0])  # raises for splits outside the rows or overlapping
-        groups, two_pass, full_groups, host = _launch(lens, starts)
-        dev = (host if host is not None else _splits_tensor(lens, starts)).to(packed.device, non_blocking=True)
-        plan = cache[key] = (dev[0], dev[1], groups, two_pass, full_groups, host)
-    lens_dev, starts_dev, groups, two_pass, full_groups, host = plan
-    return _native.module().mxfp4_to_fp8_cols(packed, scales, lens_dev, starts_dev, groups, two_pass, full_groups,
-                                              host)
+        plan = cache[key] = _host_plan(lens, starts, packed.device)
+    return _native.module().mxfp4_to_fp8_cols(packed, scales, *plan)
+
+
+def _host_plan(lens: list[int], starts: list[int], device: torch.device) -> tuple:
+    """The native column op's arguments after the rows for splits held on the host: (lengths and
+    first rows on ``device``, G, two_pass, full_groups, the host splits or None). The copy does not
+    wait for the device: it reads a new pageable tensor (the launcher's host splits when it takes
+    them), staged at once, so the caller may reuse its own."""
+    groups, two_pass, full_groups, host = _launch(lens, starts)
+    dev = (host if host is not None else _splits_tensor(lens, starts)).to(device, non_blocking=True)
+    return dev[0], dev[1], groups, two_pass, full_groups, host
 
 
 @_custom_op("mxfp4_rows_to_fp8_cols")
@@ -387,14 +393,12 @@ def mxfp4_rows_to_fp8_cols_op(
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
         # the output shape needs the lengths on the host anyway: one read, validated there
         lens, starts = _host_splits(split_lens, split_offsets, packed.shape[0])
-        groups, two_pass, full_groups, host = _launch(lens, starts)
-        if split_lens.device != packed.device:
-            # splits given on the CPU: no wait for the device. A new pageable tensor (the launcher's
-            # host splits when it takes them), staged at once by the copy, so the caller may reuse theirs.
-            dev = (host if host is not None else _splits_tensor(lens, starts)).to(packed.device, non_blocking=True)
-            split_lens, split_offsets = dev[0], (dev[1] if split_offsets is not None else None)
-        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, groups, two_pass,
-                                                  full_groups, host)
+        if split_lens.device != packed.device:  # splits given on the CPU: no wait for the device
+            lens_dev, starts_dev, *plan = _host_plan(lens, starts, packed.device)
+            split_lens, split_offsets = lens_dev, (starts_dev if split_offsets is not None else None)
+        else:
+            plan = _launch(lens, starts)
+        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, *plan)
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 
