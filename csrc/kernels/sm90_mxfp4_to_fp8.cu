@@ -260,7 +260,11 @@ __host__ __device__ constexpr uint32_t e4m3_of_e2m1_times_pow2(int c, int k) {
 }
 
 // E4M3 magnitudes of E2M1 code (i & 7) times 2^((i >> 3) - 14), as 32-bit words (copied to shared
-// memory by the kernels that convert per element).
+// memory by the kernels that convert per element). In global memory, not the constant bank: the
+// threads read different words, which one coalesced load brings at once and the constant cache
+// serves one after another (the tile kernel's copy, before its row loads, held back its first two
+// warps; H200, 32 equal experts at 32768 x 7168: 112.8-113.1 against 113.7-114.1 us with the copy
+// moved into step 2 and loaded from here).
 struct KTable {
   uint32_t word[kColKRows * 2];
 };
@@ -271,7 +275,7 @@ constexpr KTable make_ktable() {
   }
   return t;
 }
-__constant__ KTable kKTable = make_ktable();
+__device__ const KTable kKTable = make_ktable();
 
 // The PRMT instruction itself: selector nibble bit 3 replicates the sign of the selected byte, which
 // __byte_perm does not promise (it masks each nibble to 3 bits: one more instruction per call). Table
@@ -689,7 +693,6 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   // chunk index stays at `chunks` (no column arithmetic past the hidden size).
   const int ch = p.num_groups > 0 ? min(static_cast<int>(div_u32(blockIdx.x, by_groups)), chunks) : chunks;
   const int g = ch < chunks ? static_cast<int>(blockIdx.x - static_cast<long long>(ch) * p.num_groups) : INT_MAX;
-  if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = kKTable.word[tid];
   // Each warp's 16 rows of the group starting at row r0 with n rows (lane: 4 packed bytes, 8 columns of
   // one MX block, and that block's scale byte). With full_groups (segments back to back from row 0,
   // lengths multiples of 128) the group's rows are known before the look-up: they are loaded while
@@ -820,6 +823,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
       const int o = tid >> 3, j = tid & 7, col = ch * kTileCols + tid;
+      // The per-element path's table (step 3), stored to shared memory at the end of this step.
+      const uint32_t ktable_word = tid < kColKRows * 2 ? __ldg(&kKTable.word[tid]) : 0u;
       const uint32_t* kp = reinterpret_cast<const uint32_t*>(keys) + 4 * o + byte_key_word(j);
       uint32_t kw = 0u, nb = 0u, bb = 0u;
 #pragma unroll
@@ -861,6 +866,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       uint32_t* li = reinterpret_cast<uint32_t*>(&s_lane_info[o]);
       if ((j & 3) == 0) li[j >> 2] = word;
       if (j == 0) li[2] = cmn | (cmx << 8) | (any_special ? 0x10000u : 0u);
+      if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = ktable_word;
     }
     __syncthreads();
     // 3. Convert the lane's 16 rows x 8 columns; 16 bytes per column into the tile.
@@ -1039,7 +1045,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   }
   // The per-element path's table, copied while the rows are in flight (H200, ragged 32768 x 7168:
   // 162.0 against 163.8 us for both passes with its barrier before the loads).
-  if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = kKTable.word[tid];
+  if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = __ldg(&kKTable.word[tid]);
   __syncthreads();
   grid_wait();  // the rows are in flight; the groups and records come from the scale kernel
   // The warp's 16 rows' groups, one per lane (lanes 16-31 repeat them): the same for every lane, so
