@@ -558,6 +558,16 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
         got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, flag)
         _equal(got, want, (f"data full_groups={flag}", "scales", "group_offsets"))
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
+    # more than 32 experts (the kernel's check of the flag sums their groups 32 at a time), half empty
+    many = torch.zeros(40, dtype=torch.int64)
+    many[torch.randperm(40, generator=gen)[:20]] = 128
+    many = many.cuda()
+    groups, two_pass, full = _ops.column_plan(many, None, t)
+    assert full and not two_pass and groups == 20
+    want_many = formats.mxfp4_rows_to_fp8_cols(packed, scales, many, None)
+    _dirty_cache(4 * t * h)
+    got = native.mxfp4_to_fp8_cols(packed, scales, many, None, groups, False, True)
+    _equal(got, want_many, ("data, 40 experts", "scales", "group_offsets"))
     # a first segment of 32 rows moves every later group off 128 g: the flag is wrong, the output is not
     lens[0] = 32
     groups, two_pass, full = _ops.column_plan(lens, None, t)

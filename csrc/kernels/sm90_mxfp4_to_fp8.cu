@@ -728,7 +728,35 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   const bool early = kVec4 && (p.full_groups || g < hints.num) && ch < chunks && g < p.num_groups &&
                      early_row0 >= 0 && early_cnt > 0 && early_cnt <= kTileRows && early_row0 + early_cnt <= p.rows;
   if (early) load_rows(early_row0, early_cnt);
-  if (warp == 0) {
+  // Full groups back to back (every length a multiple of 128): group g is rows [128 g, 128 g + 128)
+  // if g < G, and the segments cover 128 G rows; a vote on the lengths and a sum of their groups
+  // check the flag and give G, without the prefix's dependent shuffles (block 0 takes the prefix for
+  // the group offsets; a flag the lengths disagree with takes it too). H200, 32 equal experts at
+  // 32768 x 7168: 111.9-112.2 against 112.7-113.2 us.
+  bool looked_up = false;
+  if (!kAtOffsets && p.full_groups && blockIdx.x != 0 && warp == 0) {
+    long long part = 0;  // this lane's groups
+    bool whole = true;
+    for (int base = 0; base < seg.num; base += 32) {
+      const int e = base + lane;
+      const long long len = e < seg.num ? load_index(seg.lens, seg.is64, e) : 0;
+      whole &= len >= 0 && (len & (kFp8Group - 1)) == 0;
+      part += len / kFp8Group;
+    }
+    whole &= part < (1LL << 26);  // the warp's sum fits 31 bits
+    if (__all_sync(0xFFFFFFFFu, whole)) {
+      const long long groups = __reduce_add_sync(0xFFFFFFFFu, static_cast<unsigned>(part));
+      if (lane == 0) {
+        const bool mine = g < groups && g < p.num_groups;
+        s_row0 = mine ? g * kFp8Group : 0;
+        s_cnt = mine ? kFp8Group : 0;
+        s_fill32 = false;
+        s_covered = groups * kFp8Group;
+      }
+      looked_up = true;
+    }
+  }
+  if (warp == 0 && !looked_up) {
     // The experts' exclusive prefix of rows and scale groups, 32 at a time: the group offsets (block
     // 0), this CTA's group (its expert's lane), the rows the segments cover.
     if (lane == 0) s_cnt = 0;
