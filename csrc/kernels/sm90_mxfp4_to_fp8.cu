@@ -890,7 +890,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       uint32_t x = kUe8m0Nan;  // the scale byte, 0x100 for an all-zero column
       if (!nan_block) {
         x = lane_big && col < p.hidden ? exact_column_scale_byte(p, row0, cnt, col)  // rare
-                                                     : byte_key_scale_byte((kw >> byte_key_shift(j)) & 0xFFu);
+                                       : byte_key_scale_byte((kw >> byte_key_shift(j)) & 0xFFu);
       }
       const uint32_t sb = x & 0xFFu;
       const bool zero = x == 0x100u;
