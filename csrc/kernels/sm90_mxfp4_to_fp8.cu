@@ -264,7 +264,7 @@ __host__ __device__ constexpr uint32_t e4m3_of_e2m1_times_pow2(int c, int k) {
 // threads read different words, which one coalesced load brings at once and the constant cache
 // serves one after another (the tile kernel's copy, before its row loads, held back its first two
 // warps; H200, 32 equal experts at 32768 x 7168: 112.8-113.1 against 113.7-114.1 us with the copy
-// moved into step 2 and loaded from here).
+// moved into step 2 and loaded from here; the tile kernel now copies it only when a lane needs it).
 struct KTable {
   uint32_t word[kColKRows * 2];
 };
@@ -858,8 +858,6 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
       const int o = tid >> 3, j = tid & 7, col = ch * kTileCols + tid;
-      // The per-element path's table (step 3), stored to shared memory at the end of this step.
-      const uint32_t ktable_word = tid < kColKRows * 2 ? __ldg(&kKTable.word[tid]) : 0u;
       const uint32_t* kp = reinterpret_cast<const uint32_t*>(keys) + 4 * o + byte_key_word(j);
       // A NaN scale byte in any row of lanes 4k .. 4k+3 (MX block k) makes the block NaN; a byte above
       // 251 in lane o's rows takes exact keys.
@@ -919,16 +917,16 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       uint32_t* li = reinterpret_cast<uint32_t*>(&s_lane_info[o]);
       if ((j & 3) == 0) li[j >> 2] = word;
       if (j == 0) li[2] = cmn | (cmx << 8) | (any_special ? 0x10000u : 0u);
-      if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = ktable_word;
     }
     __syncthreads();
     // 3. Convert the lane's 16 rows x 8 columns; 16 bytes per column into the tile.
+    bool fast;
     {
       const uint4 li = s_lane_info[lane];
       const uint32_t cw_lo = li.x, cw_hi = li.y;
       const int cmin = static_cast<int>(li.z & 0xFFu), cmax = static_cast<int>((li.z >> 8) & 0xFFu);
       const bool special = (li.z >> 16) != 0u;
-      bool fast = !special && cmin >= 5 && cmax - cmin <= 15 && cmax - static_cast<int>(smn) <= kShiftWrap;
+      fast = !special && cmin >= 5 && cmax - cmin <= 15 && cmax - static_cast<int>(smn) <= kShiftWrap;
       const uint32_t s_idle = static_cast<uint32_t>(cmax - 5);
       uint32_t out[8][4];
       if (fast) {
@@ -949,15 +947,6 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
         }
         fast = (range & 0xF0F0F0F0u) == 0u;
       }
-      if (!fast) {
-        // Per element through the table (subnormal results, underflow, saturated or NaN columns). The
-        // rows are loaded again (from the L2): the fast attempt did not keep them.
-        load_rows(row0, cnt);
-        const uint4 iv = reinterpret_cast<const uint4*>(info)[lane];  // the 8 columns' scale bytes
-        const uint32_t sbw_lo = __byte_perm(iv.x, iv.y, 0x6420), sbw_hi = __byte_perm(iv.z, iv.w, 0x6420);
-        window_rows_per_element(tile, ktable, wd, sv, lane, warp,
-                                [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
-      }
       if (fast) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
@@ -966,7 +955,22 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
         }
       }
     }
-    __syncthreads();
+    if (__syncthreads_or(!fast)) {  // CTA-uniform, rare
+      // Per element through the table (subnormal results, underflow, saturated or NaN columns), for
+      // the lanes the fast formula does not cover. The table is copied only here (H200, 32 equal experts
+      // at 32768 x 7168: 110.2-110.3 against 111.1-111.4 us with its copy in step 2 of every CTA); the
+      // rows are loaded again (from the L2): the fast attempt did not keep them.
+      if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = __ldg(&kKTable.word[tid]);
+      __syncthreads();
+      if (!fast) {
+        load_rows(row0, cnt);
+        const uint4 iv = reinterpret_cast<const uint4*>(info)[lane];  // the 8 columns' scale bytes
+        const uint32_t sbw_lo = __byte_perm(iv.x, iv.y, 0x6420), sbw_hi = __byte_perm(iv.z, iv.w, 0x6420);
+        window_rows_per_element(tile, ktable, wd, sv, lane, warp,
+                                [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
+      }
+      __syncthreads();
+    }
     // 4. The tile's columns to the output. With segments at offsets that all start on multiples of 32,
     // the rows from a segment's end to the next multiple of 32 lie outside every segment: the group
     // that ends there writes them too, as the zeros its tile holds past its rows, so that its last
