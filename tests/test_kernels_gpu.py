@@ -587,6 +587,35 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     _equal(got, want, ("data, one-row segments, flag set wrongly", "scales", "group_offsets"))
 
 
+@pytest.mark.parametrize("t,h", [(4096, 7168), (1000 + 37, 384)])
+def test_mxfp4_rows_to_fp8_cols_box_and_thread_stores(t, h, monkeypatch):
+    """The one-pass kernel stores a whole 128-row tile (or the input's last rows) starting on a 16-row
+    boundary with one tensor copy, other tiles by the threads' 16-byte stores. The spec's bits either
+    way: with the copies (MOE_FP4_COLUMN_BOX_STORE unset), and with every tile stored by the threads
+    (=0), on segments whose groups mix both kinds (full groups, short last groups of each segment,
+    groups starting at 16 mod 32 rows, the input's last rows) and on full groups only."""
+    packed, scales = _mxfp4_input(t, h)
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    mixed = (torch.randint(0, t // 16 // 12 + 1, (12,), generator=gen) * 16).tolist()
+    mixed[-1] = t - sum(mixed[:-1])  # back to back up to the input's last row
+    assert mixed[-1] > 0
+    full = [t // 128 // 2 * 128, (t // 128 - t // 128 // 2) * 128]
+    native = ops.build()
+    for lens in (mixed, full):
+        lens = torch.tensor(lens, device="cuda")
+        groups, two_pass, full_groups = _ops.column_plan(lens, None, t)
+        assert not two_pass
+        want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, None)
+        for env in (None, "0"):
+            if env is None:
+                monkeypatch.delenv("MOE_FP4_COLUMN_BOX_STORE", raising=False)
+            else:
+                monkeypatch.setenv("MOE_FP4_COLUMN_BOX_STORE", env)
+            _dirty_cache(4 * t * h)
+            got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, full_groups)
+            _equal(got, want, (f"data box_store={env}", "scales", "group_offsets"))
+
+
 def test_mxfp4_rows_to_fp8_cols_group_table():
     """Segments on 16-row boundaries, not full groups, with host splits passed (_ops.column_launch): the
     launcher derives each scale group's first row and count (native column_group_table), which the

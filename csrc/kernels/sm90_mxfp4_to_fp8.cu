@@ -5,7 +5,8 @@
 //   FP4RowToFP8Col, one pass (every segment starting on a 16-row boundary): one CTA per scale group
 //     (<= 128 rows of one expert, found on the device from the split lengths) and 256 hidden columns
 //     reads the group's rows as coalesced 128-byte pieces, takes the columns' maxima, converts, and
-//     writes the group's part of the column-major output through a transposed tile in shared memory.
+//     writes the group's part of the column-major output through a transposed tile in shared memory
+//     (one tensor copy per tile of 128 rows starting on a 16-row boundary).
 //   FP4RowToFP8Col, two passes (any segments): first one CTA per scale group and 256 hidden columns
 //     reads the group's rows as coalesced 128-byte pieces and writes the FP32 scales, small records of
 //     the scale bytes and each row's group; then one CTA per aligned window of 128 tokens and 256
@@ -16,7 +17,11 @@
 #include "sm90_divide.cuh"
 #include "sm90_launchers.h"
 
+#include <cuda.h>  // CUtensorMap; the encoder comes through the runtime's driver entry point
+#include <cudaTypedefs.h>
+
 #include <climits>
+#include <cstdlib>
 #include <type_traits>
 
 namespace moe_fp4 {
@@ -534,19 +539,28 @@ __global__ void __launch_bounds__(kThreads, 5)
 //      and converts per element through the table; it transposes them 4x4 in registers and stores
 //      16 bytes per column into a [256 column][128 row] E4M3 tile in shared memory (16-byte slots
 //      XOR-swizzled by column);
-//   4. the CTA writes the tile's columns to the column-major output: whole aligned 16-byte stores (a
-//      group starting on a 16-byte boundary: 4 full lines per warp instruction with 128 rows), else
-//      16-byte pieces aligned in global memory, shifted out of the tile, with byte stores only at the
-//      group's two ends (the bytes around belong to the neighbouring groups).
+//   4. the CTA writes the tile's columns to the column-major output: one tensor copy of the whole tile
+//      (128 rows, or the input's last rows, starting on a 16-byte boundary; the tile is laid out as the
+//      copy's box, tile_slot<true>), else whole aligned 16-byte stores (a group starting on a 16-byte
+//      boundary: 4 full lines per warp instruction with 128 rows), else 16-byte pieces aligned in global
+//      memory, shifted out of the tile, with byte stores only at the group's two ends (the bytes around
+//      belong to the neighbouring groups).
 constexpr int kTileCols = 256;                              // hidden columns per CTA: 8 per lane
 constexpr int kTileBytes = kTileCols * kTileRows;           // the E4M3 tile
 constexpr int kTileKeys = kTileBytes;                       // [8 warps][32 lanes] uint4 column keys
 constexpr int kTileInfo = kTileKeys + kColWarps * 32 * 16;  // [256] uint16: scale byte | all-zero << 8
 constexpr int kTileKtab = kTileInfo + kTileCols * 2;        // [kColKRows][8] E4M3 magnitudes
-constexpr int kTileSmem = kTileKtab + kColKRows * 8;        // dynamic shared memory in all
+constexpr int kTileSmem = kTileKtab + kColKRows * 8 + 1024;  // dynamic shared memory in all (the tile 1024-aligned)
 
-__device__ __forceinline__ uint32_t tile_slot(int c, int chunk) {  // byte offset of 16-byte slot
-  return static_cast<uint32_t>(c * kTileRows + ((chunk ^ ((c >> 3) & 7)) << 4));
+// Byte offset of the 16-byte slot of column c's rows 16 chunk .. 16 chunk + 15, XOR-swizzled by c >> 3
+// (the lanes' stores, one column each 8 apart, and a warp's loads of 4 whole columns are free of bank
+// conflicts). kBox: the columns' 128-byte rows in the order (c & 7) * 32 + (c >> 3); with the same
+// swizzle (16-byte chunk ^ row % 8) that is the shared-memory image of a tensor-copy box [8][32][128
+// bytes] of the output viewed as [8 (c & 7)][H / 8 (c >> 3)][N] with the 128-byte swizzle.
+template <bool kBox>
+__device__ __forceinline__ uint32_t tile_slot(int c, int chunk) {
+  const int row = kBox ? (c & 7) * 32 + (c >> 3) : c;
+  return static_cast<uint32_t>(row * kTileRows + ((chunk ^ ((c >> 3) & 7)) << 4));
 }
 
 // Bytes [lo, hi) of the 16 bytes v to dst (16-byte aligned), the fewest naturally aligned stores.
@@ -568,13 +582,14 @@ __device__ __forceinline__ void store_range16(uint8_t* dst, const uint32_t (&v)[
 // aligned (4 full 128-byte lines per warp instruction with cnt 128; a partial last chunk by bytes),
 // else 16-byte pieces aligned in global memory, shifted out of the tile, with byte stores only at the
 // two ends (the bytes around belong to neighbouring groups).
+template <bool kBox>
 __device__ __forceinline__ void tile_store(const uint8_t* tile, uint8_t* out0, long long n, int ncols, int cnt, int tid) {
   if (((n & 15) == 0) && ((reinterpret_cast<uintptr_t>(out0) & 15) == 0)) {
 #pragma unroll
     for (int k = 0; k < kTileCols * 8 / kThreads; ++k) {
       const int idx = tid + kThreads * k, c = idx >> 3, chunk = idx & 7;
       if (c < ncols && 16 * chunk < cnt) {
-        const uint4 v = *reinterpret_cast<const uint4*>(tile + tile_slot(c, chunk));
+        const uint4 v = *reinterpret_cast<const uint4*>(tile + tile_slot<kBox>(c, chunk));
         uint8_t* dst = out0 + c * n + 16 * chunk;
         if (16 * chunk + 16 <= cnt) {
           *reinterpret_cast<uint4*>(dst) = v;
@@ -598,7 +613,7 @@ __device__ __forceinline__ void tile_store(const uint8_t* tile, uint8_t* out0, l
 #pragma unroll
     for (int m = 0; m < 5; ++m) {
       const int u = u0 + m;
-      w5[m] = (u >= 0 && u < 32) ? *reinterpret_cast<const uint32_t*>(tile + tile_slot(c, u >> 2) + 4 * (u & 3)) : 0u;
+      w5[m] = (u >= 0 && u < 32) ? *reinterpret_cast<const uint32_t*>(tile + tile_slot<kBox>(c, u >> 2) + 4 * (u & 3)) : 0u;
     }
     const uint32_t sh = 8u * static_cast<uint32_t>(q & 3);
     uint32_t v[4];
@@ -616,7 +631,7 @@ __device__ __forceinline__ void tile_store(const uint8_t* tile, uint8_t* out0, l
 
 // Per element through the table (subnormal results, underflow, saturated or NaN columns): the lane's
 // 16 rows x 8 columns into the tile, row i converted with the record rec_of(i).
-template <typename RecordOf>
+template <bool kBox, typename RecordOf>
 __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uint8_t* ktable, const uint32_t (&wd)[16],
                                                         const uint32_t (&sv)[16], int lane, int warp, RecordOf rec_of) {
 #pragma unroll
@@ -643,8 +658,8 @@ __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uin
     transpose4x4(r[1][0], r[1][1], r[1][2], r[1][3], c1[0], c1[1], c1[2], c1[3]);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + j, warp) + 4 * a) = c0[j];
-      *reinterpret_cast<uint32_t*>(tile + tile_slot(8 * lane + 4 + j, warp) + 4 * a) = c1[j];
+      *reinterpret_cast<uint32_t*>(tile + tile_slot<kBox>(8 * lane + j, warp) + 4 * a) = c0[j];
+      *reinterpret_cast<uint32_t*>(tile + tile_slot<kBox>(8 * lane + 4 + j, warp) + 4 * a) = c1[j];
     }
   }
 }
@@ -660,6 +675,22 @@ __host__ __device__ inline int zero_hsplit(long long windows, int chunks) {
   return static_cast<int>(want < 1 ? 1 : want > chunks ? chunks : want);
 }
 
+// Makes this thread's shared-memory writes visible to the tensor-copy engine (the async proxy); a
+// barrier then orders them before the copy that one thread issues.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// The [8][32][128-byte] box at (row0, column block cb: columns 8 cb ..) of the output, from the tile (a
+// 1024-byte aligned kBox image), by the tensor-copy engine; returns once the tile has been read (the
+// CTA's shared memory may then be released).
+__device__ __forceinline__ void store_box(const CUtensorMap& map, const uint8_t* tile, int row0, int cb) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%1, %2, %3}], [%4];" ::"l"(
+                   reinterpret_cast<uint64_t>(&map)),
+               "r"(row0), "r"(cb), "r"(0), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(tile)))
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+
 // The caller's group table, a kernel parameter (constant bank): each CTA loads its group's rows before
 // warp 0's look-up answers, as with full_groups, and checks them against it.
 struct GroupHints {
@@ -673,8 +704,10 @@ struct GroupHints {
 // 113.4-113.6 against 115.2-115.3 us with the offsets' zero pass and 32-row fill compiled in).
 template <bool kVec4, bool kAtOffsets>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
-    sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups, const GroupHints hints) {
-  extern __shared__ __align__(16) uint8_t smem[];
+    sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups, const GroupHints hints,
+                          const __grid_constant__ CUtensorMap out_box, bool box_store) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];  // the tile at a 1024-byte boundary (128-byte swizzle)
+  uint8_t* smem = smem_raw + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u);
   uint8_t* tile = smem;
   uint4* keys = reinterpret_cast<uint4*>(smem + kTileKeys);
   uint16_t* info = reinterpret_cast<uint16_t*>(smem + kTileInfo);
@@ -855,6 +888,18 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     __syncthreads();
   }
   if (cnt > 0) {  // CTA-uniform
+    // Rows of the output this CTA writes in step 4. With segments at offsets that all start on multiples
+    // of 32, the rows from a segment's end to the next multiple of 32 lie outside every segment: the
+    // group that ends there writes them too, as the zeros its tile holds past its rows, so that its last
+    // 32-byte sector is whole (the zero pass below leaves them; H200, 32 segments at 32-row offsets
+    // with gaps under 32 rows, 32256 x 7168: 313-324 us when a warp per row wrote those bytes one by
+    // one, 120 us with this fill and the windowed pass).
+    const int stored = kAtOffsets && s_fill32 ? static_cast<int>(min((row0 + cnt + 31LL) & ~31LL, p.rows) - row0) : cnt;
+    // Step 4 as one tensor copy of the tile when its box holds exactly these rows (128 of them, or the
+    // last rows of the input: the copy stops at N) and they start on a 16-byte boundary (copies at
+    // other rows stopped the kernel with an illegal-instruction error). H200, 32 equal experts at
+    // 32768 x 7168: 107.3-107.5 against 110.1-110.3 us with the threads' 16-byte stores.
+    const bool boxed = box_store && stored == cnt && (row0 & 15) == 0 && (cnt == kTileRows || row0 + cnt == p.rows);
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
       const int o = tid >> 3, j = tid & 7, col = ch * kTileCols + tid;
@@ -950,9 +995,10 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       if (fast) {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          *reinterpret_cast<uint4*>(tile + tile_slot(8 * lane + j, warp)) =
+          *reinterpret_cast<uint4*>(tile + tile_slot<true>(8 * lane + j, warp)) =
               make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
         }
+        if (boxed) fence_proxy_async_shared();  // the tile's bytes, for the tensor copy
       }
     }
     if (__syncthreads_or(!fast)) {  // CTA-uniform, rare
@@ -966,20 +1012,19 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
         load_rows(row0, cnt);
         const uint4 iv = reinterpret_cast<const uint4*>(info)[lane];  // the 8 columns' scale bytes
         const uint32_t sbw_lo = __byte_perm(iv.x, iv.y, 0x6420), sbw_hi = __byte_perm(iv.z, iv.w, 0x6420);
-        window_rows_per_element(tile, ktable, wd, sv, lane, warp,
-                                [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
+        window_rows_per_element<true>(tile, ktable, wd, sv, lane, warp,
+                                      [=](int) { return make_uint4(sbw_lo, sbw_hi, 0u, 0u); });
+        if (boxed) fence_proxy_async_shared();
       }
       __syncthreads();
     }
-    // 4. The tile's columns to the output. With segments at offsets that all start on multiples of 32,
-    // the rows from a segment's end to the next multiple of 32 lie outside every segment: the group
-    // that ends there writes them too, as the zeros its tile holds past its rows, so that its last
-    // 32-byte sector is whole (the zero pass below leaves them; H200, 32 segments at 32-row offsets
-    // with gaps under 32 rows, 32256 x 7168: 313-324 us when a warp per row wrote those bytes one by
-    // one, 120 us with this fill and the windowed pass).
-    const int stored = kAtOffsets && s_fill32 ? static_cast<int>(min((row0 + cnt + 31LL) & ~31LL, p.rows) - row0) : cnt;
-    tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
-               min(kTileCols, p.hidden - ch * kTileCols), stored, tid);
+    // 4. The tile's columns to the output (rows [0, stored) of each).
+    if (boxed) {
+      if (tid == 0) store_box(out_box, tile, static_cast<int>(row0), ch * (kTileCols / 8));
+    } else {
+      tile_store<true>(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
+                       min(kTileCols, p.hidden - ch * kTileCols), stored, tid);
+    }
   }
 
   // Columns of rows outside every segment are zero.
@@ -1162,19 +1207,19 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        *reinterpret_cast<uint4*>(tile + tile_slot(8 * lane + j, warp)) = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+        *reinterpret_cast<uint4*>(tile + tile_slot<false>(8 * lane + j, warp)) = make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
       }
     } else {
-      window_rows_per_element(tile, ktable, wd, sv, lane, warp, [=](int i) { return ((use_b >> i) & 1u) ? rec_b : rec_a; });
+      window_rows_per_element<false>(tile, ktable, wd, sv, lane, warp, [=](int i) { return ((use_b >> i) & 1u) ? rec_b : rec_a; });
     }
   } else {
     int grp[16];
 #pragma unroll
     for (int i = 0; i < 16; ++i) grp[i] = __shfl_sync(0xFFFFFFFFu, grp_l, i);
-    window_rows_per_element(tile, ktable, wd, sv, lane, warp, [&](int i) { return record(grp[i]); });
+    window_rows_per_element<false>(tile, ktable, wd, sv, lane, warp, [&](int i) { return record(grp[i]); });
   }
   __syncthreads();
-  tile_store(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
+  tile_store<false>(tile, p.out + static_cast<long long>(ch) * kTileCols * p.out_stride + row0, p.out_stride,
              min(kTileCols, p.hidden - ch * kTileCols), cnt, tid);
 }
 
@@ -1193,6 +1238,38 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
     sm90_mxfp4_to_fp8_rows_kernel<false><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
+}
+
+// The tensor map of the one-pass kernel's tile stores: the output [H, N] (row stride out_stride) viewed as
+// [8 (c % 8)][H / 8 (c / 8)][N bytes], boxes of [8][32][128] with the 128-byte swizzle (tile_slot<true>).
+// False (the threads store the tiles) without the driver's encoder, for an output the map cannot
+// describe (not 16-byte aligned), or with MOE_FP4_COLUMN_BOX_STORE=0 in the environment (read at each
+// launch: compute-sanitizer's initcheck does not see the copy engine's writes and reports every byte
+// of them as uninitialized when read).
+bool output_box_map(const Mxfp4ToFp8ColsParams& p, CUtensorMap& map) {
+  const char* env = std::getenv("MOE_FP4_COLUMN_BOX_STORE");
+  if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();  // not sticky: the launch below must not report it
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr || (reinterpret_cast<uintptr_t>(p.out) & 15) != 0 || (p.out_stride & 15) != 0 ||
+      p.hidden % 8 != 0) {
+    return false;
+  }
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(p.rows), static_cast<cuuint64_t>(p.hidden / 8), 8};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(8 * p.out_stride), static_cast<cuuint64_t>(p.out_stride)};
+  const cuuint32_t box[3] = {kTileRows, kTileCols / 8, 8}, unit[3] = {1, 1, 1};
+  return encode(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, p.out, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+         CUDA_SUCCESS;
 }
 
 // A kernel of the two-pass path, launched as a programmatic dependent of the previous kernel.
@@ -1257,10 +1334,12 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
                                                 });
       hints.num = groups <= kMaxColumnGroupHints ? n : 0;
     }
+    CUtensorMap out_box{};
+    const bool box_store = output_box_map(p, out_box);
     auto launch = [&](auto kernel) {
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
       kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
-          p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)), hints);
+          p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)), hints, out_box, box_store);
     };
     const bool at_offsets = p.segments.offsets != nullptr;
     if (vec4) at_offsets ? launch(sm90_cols_tile_kernel<true, true>) : launch(sm90_cols_tile_kernel<true, false>);
