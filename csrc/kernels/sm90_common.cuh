@@ -72,6 +72,10 @@ __device__ __forceinline__ uint32_t e4m3_scale_byte(uint32_t amax_bits) {
   return scale_byte_up<135u, 0x600000u, 10u>(amax_bits, 448.0f);  // 448 = 1.75 * 2^8
 }
 
+// Makes this thread's shared-memory writes visible to the copy engine (the async proxy) before a
+// bulk or tensor copy reads them; a barrier then orders them before the thread that issues the copy.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 // Lane-wise unsigned maximum / minimum of two pairs of 16-bit values (one instruction on sm_90).
 __device__ __forceinline__ uint32_t max_u16x2(uint32_t a, uint32_t b) {
   uint32_t r;

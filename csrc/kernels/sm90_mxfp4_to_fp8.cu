@@ -675,10 +675,6 @@ __host__ __device__ inline int zero_hsplit(long long windows, int chunks) {
   return static_cast<int>(want < 1 ? 1 : want > chunks ? chunks : want);
 }
 
-// Makes this thread's shared-memory writes visible to the tensor-copy engine (the async proxy); a
-// barrier then orders them before the copy that one thread issues.
-__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
 // The [8][32][128-byte] box at (row0, column block cb: columns 8 cb ..) of the output, from the tile (a
 // 1024-byte aligned kBox image), by the tensor-copy engine; returns once the tile has been read (the
 // CTA's shared memory may then be released).

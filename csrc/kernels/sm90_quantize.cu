@@ -242,7 +242,7 @@ __device__ __forceinline__ void wait_staged_row_free(const RowDestinations& ds, 
 __device__ __forceinline__ int push_staged_row(const RowDestinations& ds, long long t, const uint8_t* staged, int lane,
                                                int phase) {
   if (ds.staged_per_warp > 0) {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // this lane's stores, seen by the copy engine
+    fence_proxy_async_shared();  // this lane's stores, seen by the copy engine
     __syncwarp();
     if (lane == 0) {
       const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(staged));

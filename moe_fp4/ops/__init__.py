@@ -40,6 +40,9 @@ Environment variables:
   MOE_FP4_CSRC           the csrc/ folder to build from (default: the one beside the package)
   MOE_FP4_PUSH_BULK      0 (default): the multi-destination quantizers write rows with the warps'
                          16-byte stores; 1: with the bulk copy engine where addresses allow it
+  MOE_FP4_COLUMN_BOX_STORE  unset (default): the one-pass column kernel writes each whole 128-row
+                         tile by one tensor copy; 0: every tile by the threads' 16-byte stores (read
+                         at each launch; for compute-sanitizer's initcheck, blind to the copy engine)
 
 Ragged segments (``split_lens`` / ``split_offsets``, int32 or int64 [E] on the input's device): rows
 [offsets[e], offsets[e] + lens[e]) belong to expert e; offsets None means back to back from row 0.
