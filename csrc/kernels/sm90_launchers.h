@@ -246,4 +246,69 @@ struct Mxfp4ExpandFp8RowsParams {
 };
 cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cudaStream_t stream);
 
+// The dispatch's routing tables (moe_fp4.ops.routing is their reference; see moe_fp4.ep.layout).
+// Count rows: one int64 row of info_width values per destination rank r, exchanged with the peers:
+//   [kInfoError] 0 (the caller sets 1 when it rejected its inputs),
+//   [kInfoHeader, +kLayoutHeader) the header values as given,
+//   [kInfoInvalid] ids outside [-1, E),
+//   [kInfoRanks, +W) tokens sent to each rank (the same in every row),
+//   [kInfoRanks + W, +L) (token, slot) pairs sent to each of rank r's L = E / W experts,
+//   [kInfoRanks + W + L, +k) tokens whose slot j goes to rank r; zeros up to info_width.
+constexpr int kInfoError = 0;
+constexpr int kInfoHeader = 1;
+constexpr int kLayoutHeader = 8;
+constexpr int kInfoInvalid = kInfoHeader + kLayoutHeader;
+constexpr int kInfoRanks = kInfoInvalid + 1;
+constexpr int kMaxLayoutRanks = 64;     // destination sets are 64-bit masks
+constexpr int kMaxLayoutExperts = 1024; // local experts of the expand layout (per-warp counters in shared memory)
+
+// Sender: the send order (blocks by destination rank, tokens ascending in a block), each token's row in
+// it, the metadata rows and the count rows. Two kernels, no host synchronization.
+struct SendLayoutParams {
+  const void* topk_idx;          // int32/int64 [T, k] (contiguous): expert ids, -1 none, others invalid
+  bool idx_is64;
+  const void* topk_weights;      // float32/bfloat16/float16 [T, k] (contiguous), or nullptr (weights 0)
+  FloatInput weights_type;
+  long long tokens;              // T
+  int topk;                      // k
+  int num_experts;               // E, a multiple of W
+  int world_size;                // W, 1..kMaxLayoutRanks
+  long long header[kLayoutHeader];  // copied into every count row
+  long long* info;               // int64 [W, info_width] (output): the count rows
+  int info_width;                // >= kInfoRanks + W + E / W + k
+  long long* rank_table;         // int64 [T, W] (output): the send row of (token, rank), -1 if not sent there
+  long long* send_token;         // int64 [T * W] (output): the token of each send row (the first n_send)
+  int* meta;                     // int32 [T * W, 2k + 1] (output, the first n_send rows): the ids of the
+                                 // rank's experts as local ids (-1 elsewhere), the weights' float32 bits,
+                                 // the token's index
+  int* scratch;                  // int32 [send_layout_scratch_ints(T, k, E, W)], 8-byte aligned
+};
+long long send_layout_scratch_ints(long long tokens, int topk, int num_experts, int world_size);
+cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream);
+
+// Receiver: the received tokens' (token, slot) entries grouped by local expert, in entry order within
+// an expert, each expert's rows starting at the aligned prefix of the lengths (a stable counting sort,
+// two kernels). Rows at or past num_rows are not written (their slots get -1).
+struct ExpandLayoutParams {
+  const int* meta;               // int32 [n, 2k + 1]: the received metadata rows (as SendLayoutParams::meta)
+  long long tokens;              // n
+  int topk;                      // k
+  int num_local;                 // L, 1..kMaxLayoutExperts
+  int alignment;                 // >= 1
+  long long num_rows;            // R: rows of the outputs below
+  long long* slot_table;         // int64 [n, k] (output): the row of each entry, -1 for none
+  long long* expand_row;         // int64 [R] (output): the token of each row, -1 for a gap row
+  long long* expand_slot;        // int64 [R] (output): the slot of each row, -1 for a gap row
+  float* row_weights;            // float32 [R] (output, or nullptr): the weight of each row, 0 for a gap row
+  long long* split_lens;         // int64 [L] (output)
+  long long* split_offsets;      // int64 [L] (output): the aligned starts
+  long long* gap_rows;           // int64 [rows between the experts] (output, or nullptr), ascending
+  long long* recv_topk_idx;      // int64 [n, k] (output): the local ids (-1 none)
+  float* recv_topk_weights;      // float32 [n, k] (output, or nullptr)
+  long long* recv_src_token;     // int64 [n] (output): each token's index in its source's batch
+  int* scratch;                  // int32 [expand_layout_scratch_ints(n, k, L)]
+};
+long long expand_layout_scratch_ints(long long tokens, int topk, int num_local);
+cudaError_t launch_expand_layout(const ExpandLayoutParams& p, cudaStream_t stream);
+
 }  // namespace moe_fp4

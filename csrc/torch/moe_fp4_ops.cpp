@@ -672,6 +672,115 @@ std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden)
   return {out, out_scales};
 }
 
+// The dispatch's send layout: topk_idx [T, k] -> (count rows int64 [W, info_width], rank_table int64
+// [T, W], send_token int64 [T * W], meta int32 [T * W, 2k + 1]); see moe_fp4.ops.routing.
+std::tuple<Tensor, Tensor, Tensor, Tensor> send_layout(const Tensor& topk_idx, const std::optional<Tensor>& topk_weights,
+                                                       int64_t num_experts, int64_t world_size,
+                                                       const std::vector<int64_t>& header, int64_t info_width) {
+  MOE_FP4_CHECK_CUDA(topk_idx, "topk_idx");
+  MOE_FP4_CHECK_DIM(topk_idx, 2, "topk_idx");
+  TORCH_CHECK(topk_idx.is_contiguous(), "topk_idx: expected a contiguous tensor");
+  TORCH_CHECK(topk_idx.scalar_type() == at::kLong || topk_idx.scalar_type() == at::kInt,
+              "topk_idx: expected dtype int64 or int32, got ", topk_idx.scalar_type());
+  TORCH_CHECK(world_size >= 1 && world_size <= moe_fp4::kMaxLayoutRanks, "world_size: expected 1..",
+              moe_fp4::kMaxLayoutRanks, ", got ", world_size);
+  TORCH_CHECK(num_experts >= world_size && num_experts % world_size == 0 && num_experts <= INT_MAX,
+              "num_experts: expected a positive multiple of world_size, got ", num_experts);
+  TORCH_CHECK(header.size() <= moe_fp4::kLayoutHeader, "header: at most ", moe_fp4::kLayoutHeader, " values");
+  const int64_t t = topk_idx.size(0), k = topk_idx.size(1);
+  TORCH_CHECK(k >= 1 && t < INT_MAX, "topk_idx: expected shape [T, k] with k >= 1 and T < 2^31, got ", topk_idx.sizes());
+  TORCH_CHECK(info_width >= moe_fp4::kInfoRanks + world_size + num_experts / world_size + k && info_width <= INT_MAX,
+              "info_width: too small for ", world_size, " ranks, ", num_experts, " experts and k=", k);
+  const c10::cuda::CUDAGuard guard(topk_idx.device());
+  moe_fp4::SendLayoutParams p{};
+  if (topk_weights.has_value()) {
+    const Tensor& w = *topk_weights;
+    MOE_FP4_CHECK_SAME_DEVICE(w, topk_idx, "topk_weights");
+    TORCH_CHECK(w.sizes() == topk_idx.sizes() && w.is_contiguous(), "topk_weights: expected a contiguous tensor of shape ",
+                topk_idx.sizes(), ", got ", w.sizes());
+    p.weights_type = float_input(w);
+    p.topk_weights = w.data_ptr();
+  }
+  const auto opts = topk_idx.options();
+  Tensor info = at::empty({world_size, info_width}, opts.dtype(at::kLong));
+  Tensor rank_table = at::empty({t, world_size}, opts.dtype(at::kLong));
+  Tensor send_token = at::empty({t * world_size}, opts.dtype(at::kLong));
+  Tensor meta = at::empty({t * world_size, 2 * k + 1}, opts.dtype(at::kInt));
+  Tensor scratch = at::empty({moe_fp4::send_layout_scratch_ints(t, k, num_experts, world_size)}, opts.dtype(at::kInt));
+  p.topk_idx = topk_idx.data_ptr();
+  p.idx_is64 = topk_idx.scalar_type() == at::kLong;
+  p.tokens = t;
+  p.topk = static_cast<int>(k);
+  p.num_experts = static_cast<int>(num_experts);
+  p.world_size = static_cast<int>(world_size);
+  for (size_t i = 0; i < header.size(); ++i) p.header[i] = header[i];
+  p.info = reinterpret_cast<long long*>(info.data_ptr<int64_t>());
+  p.info_width = static_cast<int>(info_width);
+  p.rank_table = reinterpret_cast<long long*>(rank_table.data_ptr<int64_t>());
+  p.send_token = reinterpret_cast<long long*>(send_token.data_ptr<int64_t>());
+  p.meta = meta.data_ptr<int>();
+  p.scratch = scratch.data_ptr<int>();
+  check_launch(moe_fp4::launch_send_layout(p, c10::cuda::getCurrentCUDAStream()), "send_layout");
+  return {info, rank_table, send_token, meta};
+}
+
+// The dispatch's expand layout: received meta int32 [n, 2k + 1] -> (slot_table [n, k], expand_row [R],
+// expand_slot [R], row_weights [R] or None, split_lens [L], split_offsets [L], gap_rows [num_gap] or
+// None, recv_topk_idx [n, k], recv_topk_weights [n, k] or None, recv_src_token [n]); see moe_fp4.ops.routing.
+std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, Tensor, std::optional<Tensor>, Tensor,
+           std::optional<Tensor>, Tensor>
+expand_layout(const Tensor& meta, int64_t topk, int64_t num_local, int64_t alignment, int64_t num_rows, int64_t num_gap,
+              bool weights) {
+  MOE_FP4_CHECK_CUDA(meta, "meta");
+  MOE_FP4_CHECK_DTYPE(meta, at::kInt, "meta");
+  MOE_FP4_CHECK_DIM(meta, 2, "meta");
+  TORCH_CHECK(meta.is_contiguous() && topk >= 1 && meta.size(1) == 2 * topk + 1,
+              "meta: expected a contiguous int32 tensor [n, 2k + 1] with k = ", topk, ", got ", meta.sizes());
+  TORCH_CHECK(num_local >= 1 && num_local <= moe_fp4::kMaxLayoutExperts, "num_local: expected 1..",
+              moe_fp4::kMaxLayoutExperts, ", got ", num_local);
+  TORCH_CHECK(alignment >= 1 && alignment <= INT_MAX, "alignment: expected a positive int, got ", alignment);
+  TORCH_CHECK(num_rows >= 0 && num_gap >= 0 && num_gap <= num_rows, "num_rows, num_gap: expected 0 <= num_gap <= num_rows");
+  const int64_t n = meta.size(0);
+  const c10::cuda::CUDAGuard guard(meta.device());
+  const auto opts = meta.options();
+  const auto i64 = opts.dtype(at::kLong), f32 = opts.dtype(at::kFloat);
+  Tensor slot_table = at::empty({n, topk}, i64);
+  Tensor expand_row = at::empty({num_rows}, i64);
+  Tensor expand_slot = at::empty({num_rows}, i64);
+  std::optional<Tensor> row_weights, gap_rows, recv_w;
+  if (weights) {
+    row_weights = at::empty({num_rows}, f32);
+    recv_w = at::empty({n, topk}, f32);
+  }
+  if (num_gap > 0) gap_rows = at::empty({num_gap}, i64);
+  Tensor split_lens = at::empty({num_local}, i64);
+  Tensor split_offsets = at::empty({num_local}, i64);
+  Tensor recv_idx = at::empty({n, topk}, i64);
+  Tensor recv_src = at::empty({n}, i64);
+  Tensor scratch = at::empty({moe_fp4::expand_layout_scratch_ints(n, static_cast<int>(topk), static_cast<int>(num_local))},
+                             opts);
+  moe_fp4::ExpandLayoutParams p{};
+  p.meta = meta.data_ptr<int>();
+  p.tokens = n;
+  p.topk = static_cast<int>(topk);
+  p.num_local = static_cast<int>(num_local);
+  p.alignment = static_cast<int>(alignment);
+  p.num_rows = num_rows;
+  p.slot_table = reinterpret_cast<long long*>(slot_table.data_ptr<int64_t>());
+  p.expand_row = reinterpret_cast<long long*>(expand_row.data_ptr<int64_t>());
+  p.expand_slot = reinterpret_cast<long long*>(expand_slot.data_ptr<int64_t>());
+  p.row_weights = weights ? row_weights->data_ptr<float>() : nullptr;
+  p.split_lens = reinterpret_cast<long long*>(split_lens.data_ptr<int64_t>());
+  p.split_offsets = reinterpret_cast<long long*>(split_offsets.data_ptr<int64_t>());
+  p.gap_rows = num_gap > 0 ? reinterpret_cast<long long*>(gap_rows->data_ptr<int64_t>()) : nullptr;
+  p.recv_topk_idx = reinterpret_cast<long long*>(recv_idx.data_ptr<int64_t>());
+  p.recv_topk_weights = weights ? recv_w->data_ptr<float>() : nullptr;
+  p.recv_src_token = reinterpret_cast<long long*>(recv_src.data_ptr<int64_t>());
+  p.scratch = scratch.data_ptr<int>();
+  check_launch(moe_fp4::launch_expand_layout(p, c10::cuda::getCurrentCUDAStream()), "expand_layout");
+  return {slot_table, expand_row, expand_slot, row_weights, split_lens, split_offsets, gap_rows, recv_idx, recv_w, recv_src};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -719,4 +828,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("hidden"));
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
+  m.def("send_layout", &send_layout, "the dispatch's send order, count rows and metadata from topk_idx [T,k]",
+        py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"), py::arg("world_size"), py::arg("header"),
+        py::arg("info_width"));
+  m.def("expand_layout", &expand_layout, "the dispatch's expert-order tables from the received metadata rows",
+        py::arg("meta"), py::arg("topk"), py::arg("num_local"), py::arg("alignment"), py::arg("num_rows"),
+        py::arg("num_gap"), py::arg("weights"));
 }

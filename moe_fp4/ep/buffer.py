@@ -2,13 +2,16 @@
 
 Dispatch (one rank's view; T tokens of hidden size H, top-k routing, W ranks, L = E / W experts per
 rank):
-  1. layout on the device (``dispatch_layout``): tokens per rank and per expert, slots per rank;
-  2. a small all-to-all of those counts (plus each rank's hidden/k/E/W/payload and an error flag,
-     so that bad input on any rank raises ValueError on every rank instead of hanging the others);
-  3. the one host synchronisation: the counts become Python ints (split sizes);
-  4. an all-to-all of per-token metadata (local expert ids, top-k weights), then one of the payload
-     rows (each token once per destination rank);
-  5. the receiver expands each token to one row per (token, slot) whose expert is local, grouped
+  1. the send layout on the device, by counting (``ops.routing.send_layout``, two kernels on CUDA):
+     a count row per destination (tokens per rank, pairs per expert, slots per rank), each token's
+     row in the send buffer, the metadata rows (local expert ids, top-k weights, token index);
+  2. a small all-to-all of the count rows (with each rank's hidden/k/E/W/payload/T and an error
+     flag, so that bad input on any rank raises ValueError on every rank instead of hanging the others);
+  3. the one host synchronisation: the count rows become Python ints (split sizes);
+  4. an all-to-all of the metadata rows, then one of the payload rows (each token once per
+     destination rank);
+  5. the receiver's tables on the device (``ops.routing.expand_layout``, a stable counting sort):
+     each token expanded to one row per (token, slot) whose expert is local, grouped
      by local expert (stable: by source rank, then source token order, then slot): ragged segments
      ``split_lens`` / ``split_offsets``, back to back (``expert_alignment=1``, the default) or each
      starting on a multiple of ``expert_alignment`` rows with zero rows between them; optionally
@@ -33,15 +36,7 @@ import torch
 from moe_fp4 import formats
 from moe_fp4.ep import _triton_combine, symmetric
 from moe_fp4.ep.backends import AllToAllBackend, make_backend
-from moe_fp4.ep.layout import (
-    DispatchLayout,
-    check_experts,
-    check_topk_idx,
-    dispatch_layout,
-    send_keys,
-    start_offsets,
-    token_and_rank,
-)
+from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, start_offsets
 from moe_fp4.ep.payloads import (
     PAYLOAD_IDS,
     BF16Payload,
@@ -51,6 +46,7 @@ from moe_fp4.ep.payloads import (
     gather_rows,
     get_payload,
 )
+from moe_fp4.ops import routing
 from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,8 +70,7 @@ class DispatchHandle:
     expand_row / expand_slot: int64 [N], the received token and slot of each output row;
     row_weights: float32 [N] or None, the weight of each output row;
     tokens_per_expert: host ints [L]; split_lens / split_offsets: int64 [L] on the device;
-    slot_counts: host ints [k]; slot_row / slot_out / slot_weights: [N], the output rows ordered by
-    (slot, received token), used by combine's deterministic accumulation;
+    slot_counts: host ints [k], the output rows of each slot (``slot_order`` lists them by slot);
     expert_alignment: every expert's rows start on a multiple of it; gap_rows: int64 [N_gap], the
     output rows between the experts' rows (None when there are none): expand_row and expand_slot
     are -1 there, row_weights 0, and no slot names them."""
@@ -98,9 +93,6 @@ class DispatchHandle:
     split_lens: torch.Tensor
     split_offsets: torch.Tensor
     slot_counts: list[int]
-    slot_row: torch.Tensor
-    slot_out: torch.Tensor
-    slot_weights: torch.Tensor | None
     slot_table: torch.Tensor  # int64 [n_recv, k]: the output row of (received token, slot), -1 if none
     rank_table: torch.Tensor  # int64 [T, W]: the sent row of (token, rank), -1 if not sent there
     recv_src_token: torch.Tensor | None = None  # int64 [n_recv]: each received token's index at its source
@@ -246,6 +238,21 @@ class DispatchOutput:
 def aligned_counts(counts: list[int], alignment: int) -> list[int]:
     """Host ints: each count rounded up to a multiple of ``alignment``."""
     return [-(-c // alignment) * alignment for c in counts]
+
+
+def slot_order(handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The output rows ordered by (slot, received token), for a combine that adds slot by slot:
+    (received token int64 [N], output row int64 [N], weight float32 [N] or None), made on first use
+    and kept with the handle (no host sync: the count is handle.slot_counts' sum)."""
+    if "slot_order" not in handle.direct_cache:
+        table = handle.slot_table
+        n_recv, k = table.shape
+        key = torch.where(table.t() >= 0, torch.arange(k * n_recv, device=table.device).view(k, n_recv), k * n_recv)
+        key = torch.sort(key.reshape(-1)).values[:sum(handle.slot_counts)]  # slot * n_recv + token, ascending
+        row, col = key % max(n_recv, 1), key // max(n_recv, 1)
+        w = handle.recv_topk_weights
+        handle.direct_cache["slot_order"] = (row, table[row, col], w[row, col] if w is not None else None)
+    return handle.direct_cache["slot_order"]
 
 
 def fill_gap_rows(fp8: tuple[torch.Tensor, torch.Tensor], codec: PayloadCodec,
@@ -489,138 +496,60 @@ class Buffer:
             self._check_routing(x, topk_idx, topk_weights)
         except ValueError as e:
             local_error = e
-        dev = self.device
-        # One fixed-width row per destination rank: [tokens, L expert counts, signature, invalid ids,
-        # error flag, MAX_TOPK slot counts, batch size, tokens sent to each of the W ranks]. Fixed
-        # width so that ranks that disagree (on k, say) still exchange cleanly and all raise the same
-        # ValueError.
-        sig_at = 1 + ell
-        inv_at = sig_at + len(_SIGNATURE)
-        err_at, slot_at = inv_at + 1, inv_at + 2
-        size_at = slot_at + MAX_TOPK
-        info = torch.zeros(w, size_at + 1 + w, dtype=torch.int64, device=dev)
+        # One count row per destination rank (routing.send_layout), of a width that does not depend on
+        # k, so that ranks that disagree (on k, say) still exchange cleanly and all raise the same
+        # ValueError; a rank that rejected its inputs sends rows with only the error flag set.
+        width = routing.info_width(w, ell, MAX_TOPK)
         if local_error is None:
             k = topk_idx.shape[1]
-            layout = dispatch_layout(topk_idx, n_exp, w)
-            info[:, 0] = layout.num_tokens_per_rank
-            info[:, 1:sig_at] = layout.num_tokens_per_expert.reshape(w, ell)
-            for i, v in enumerate((x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1))):
-                info[:, sig_at + i] = v  # a fill, not a host-to-device copy (which would sync)
-            info[:, inv_at] = layout.invalid
-            info[:, slot_at:slot_at + k] = layout.num_slots_per_rank
-            info[:, size_at] = x.shape[0]
-            info[:, size_at + 1:] = layout.num_tokens_per_rank.unsqueeze(0)
+            header = [x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1), x.shape[0]]
+            # (routing tensors are small: a copy of a strided one costs nothing next to the payload)
+            weights = None if topk_weights is None else topk_weights.contiguous()
+            sent = routing.send_layout(topk_idx.contiguous(), weights, n_exp, w, header, width)
+            info = sent.info
         else:
-            info[:, err_at] = 1
+            info = torch.zeros(w, width, dtype=torch.int64, device=self.device)
+            info[:, routing.INFO_ERROR] = 1
         recv_info = torch.empty_like(info)
         self.backend.all_to_all(recv_info, info, None, None)
-        host = torch.cat((info[:, 0], recv_info.reshape(-1))).tolist()  # the one host sync
-        width = info.shape[1]
-        send_counts = host[:w]
-        peers = [host[w + s * width: w + (s + 1) * width] for s in range(w)]
+        peers = recv_info.tolist()  # the one host sync: row s is what rank s sent here
         if local_error is not None:
             raise local_error
-        bad = [s for s, p in enumerate(peers) if p[err_at]]
+        bad = [s for s, p in enumerate(peers) if p[routing.INFO_ERROR]]
         if bad:
             raise ValueError(f"dispatch: rank(s) {bad} rejected their inputs (see the error raised there); "
                              "the dispatch was abandoned on every rank")
-        mine = dict(zip(_SIGNATURE, (x.shape[1], k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1))))
+        head = routing.INFO_HEADER
         for s, p in enumerate(peers):
-            theirs = dict(zip(_SIGNATURE, p[sig_at:inv_at]))
-            diff = {key: (mine[key], theirs[key]) for key in _SIGNATURE if mine[key] != theirs[key]}
+            diff = {key: (header[i], p[head + i]) for i, key in enumerate(_SIGNATURE) if header[i] != p[head + i]}
             if diff:
                 what = ", ".join(f"{key} {a} here vs {b} on rank {s}" for key, (a, b) in diff.items())
                 raise ValueError(f"dispatch: ranks disagree: {what}")
-        invalid = [(s, p[inv_at]) for s, p in enumerate(peers)]
+        invalid = [(s, p[routing.INFO_INVALID]) for s, p in enumerate(peers)]
         if any(n for _, n in invalid):
             where = ", ".join(f"rank {s}: {n}" for s, n in invalid if n)
             raise ValueError(f"topk_idx: expected expert ids in [-1, {n_exp}), got ids out of range ({where})")
-        recv_counts = [p[0] for p in peers]
-        tokens_per_expert = [sum(p[1 + e] for p in peers) for e in range(ell)]
-        slot_counts = [sum(p[slot_at + j] for p in peers) for j in range(k)]
-        split_lens = recv_info[:, 1:sig_at].sum(0)
-        peer_num_tokens = [p[size_at] for p in peers]
-        count_matrix = [p[size_at + 1:size_at + 1 + w] for p in peers]
-        handle = self._build_handle(x, topk_idx, topk_weights, layout, send_counts, recv_counts,
-                                    tokens_per_expert, slot_counts, split_lens, alignment)
-        handle.peer_num_tokens, handle.count_matrix = peer_num_tokens, count_matrix
-        return handle
-
-    def _build_handle(self, x, topk_idx, topk_weights, layout, send_counts, recv_counts, tokens_per_expert,
-                      slot_counts, split_lens, alignment: int = 1) -> DispatchHandle:
-        # Every step below is one or a few whole-tensor ops: a full dispatch pays a launch per op.
-        dev, ell, w = self.device, self.experts_per_rank, self.world_size
-        t, k = topk_idx.shape
+        ranks = routing.INFO_RANKS
+        experts, slots = ranks + w, ranks + w + ell
+        count_matrix = [p[ranks:ranks + w] for p in peers]
+        send_counts = count_matrix[self.rank]
+        recv_counts = [row[self.rank] for row in count_matrix]
+        tokens_per_expert = [sum(p[experts + e] for p in peers) for e in range(ell)]
         n_send, n_recv, n_rows = sum(send_counts), sum(recv_counts), sum(tokens_per_expert)
-        keys = send_keys(layout, n_send)  # rank * T + token of each sent row, in send order
-        send_token, send_rank = token_and_rank(keys, t)
-        # metadata rows, int32 [n_send, 2k + 1]: local expert ids (-1: not on that rank), the weights'
-        # bits, the token's index in this batch
-        ids = topk_idx.to(torch.int64).index_select(0, send_token)
-        owner = layout.dest_rank.index_select(0, send_token) == send_rank.unsqueeze(1)
-        meta = torch.empty(n_send, 2 * k + 1, dtype=torch.int32, device=dev)
-        meta[:, :k] = torch.where(owner, ids.remainder(ell), -1)
-        if topk_weights is not None:
-            meta[:, k:2 * k] = topk_weights.to(torch.float32).index_select(0, send_token).view(torch.int32)
-        else:
-            meta[:, k:2 * k] = 0
-        meta[:, 2 * k] = send_token
-        recv_meta = torch.empty(n_recv, 2 * k + 1, dtype=torch.int32, device=dev)
-        self.backend.all_to_all(recv_meta, meta, recv_counts, send_counts)
-        recv_ids = recv_meta[:, :k].to(torch.int64)
-        recv_w = recv_meta[:, k:2 * k].contiguous().view(torch.float32) if topk_weights is not None else None
-        recv_src_token = recv_meta[:, 2 * k].to(torch.int64)
-
-        # expansion: one output row per (received token, local slot), grouped by local expert (stable)
-        valid = recv_ids >= 0
-        order = torch.sort(torch.where(valid, recv_ids, ell).reshape(-1), stable=True).indices[:n_rows]
-        split_offsets = torch.cumsum(split_lens, 0) - split_lens
-        out_row, gap_rows, n_out = None, None, n_rows  # output row of the i-th expanded row: i
-        if alignment > 1:
-            # expert e's rows start at the aligned prefix of the counts; device ops only (no sync)
-            aligned = (split_lens + alignment - 1) // alignment * alignment
-            starts = torch.cumsum(aligned, 0) - aligned
-            n_out = sum(aligned_counts(tokens_per_expert, alignment))
-            experts = torch.arange(ell, device=dev)
-            of_row = torch.repeat_interleave(experts, split_lens, output_size=n_rows)
-            out_row = torch.arange(n_rows, device=dev) + (starts - split_offsets)[of_row]
-            gaps = aligned - split_lens
-            if n_out > n_rows:  # the rows [start_e + len_e, start_e + aligned_e) of each expert
-                of_gap = torch.repeat_interleave(experts, gaps, output_size=n_out - n_rows)
-                first_gap = torch.cumsum(gaps, 0) - gaps
-                gap_rows = (starts + split_lens - first_gap)[of_gap] + torch.arange(n_out - n_rows, device=dev)
-            split_offsets = starts
-        # slot_table [n_recv, k]: the output row of (received token, slot), -1 if none
-        slot_table = torch.full((n_recv * k,), -1, dtype=torch.int64, device=dev)
-        slot_table.scatter_(0, order, torch.arange(n_rows, device=dev) if out_row is None else out_row)
-        slot_table = slot_table.view(n_recv, k)
-        row_weights = recv_w.reshape(-1)[order] if recv_w is not None else None
-        if out_row is None:
-            expand_row, expand_slot = order // k, order % k
-        else:
-            expand_row = torch.full((n_out,), -1, dtype=torch.int64, device=dev).index_copy_(0, out_row, order // k)
-            expand_slot = torch.full((n_out,), -1, dtype=torch.int64, device=dev).index_copy_(0, out_row, order % k)
-            if row_weights is not None:
-                row_weights = torch.zeros(n_out, dtype=row_weights.dtype, device=dev).index_copy_(0, out_row,
-                                                                                                 row_weights)
-        # the same rows ordered by (slot, received token): combine adds slot by slot
-        slot_key = torch.where(valid.t(), torch.arange(k * n_recv, device=dev).view(k, n_recv), k * n_recv)
-        slot_key = torch.sort(slot_key.reshape(-1)).values[:n_rows]  # slot * n_recv + token, distinct
-        slot_row, slot_col = slot_key % max(n_recv, 1), slot_key // max(n_recv, 1)
-        # rank_table [T, W]: the sent row of (token, rank), -1 if not sent there
-        rank_table = torch.full((w * t,), -1, dtype=torch.int64, device=dev)
-        rank_table.scatter_(0, keys, torch.arange(n_send, device=dev))
+        n_out = sum(aligned_counts(tokens_per_expert, alignment))
+        recv_meta = torch.empty(n_recv, 2 * k + 1, dtype=torch.int32, device=self.device)
+        self.backend.all_to_all(recv_meta, sent.meta[:n_send], recv_counts, send_counts)
+        got = routing.expand_layout(recv_meta, k, ell, alignment, n_out, n_out - n_rows, topk_weights is not None)
         return DispatchHandle(
-            rank=self.rank, world_size=w, num_experts=self.num_experts, hidden=x.shape[1],
-            num_topk=k, num_tokens=t, send_counts=send_counts, recv_counts=recv_counts, send_token=send_token,
-            recv_topk_idx=recv_ids, recv_topk_weights=recv_w, expand_row=expand_row, expand_slot=expand_slot,
-            row_weights=row_weights, tokens_per_expert=tokens_per_expert, split_lens=split_lens,
-            split_offsets=split_offsets,
-            slot_counts=slot_counts,
-            slot_row=slot_row, slot_out=slot_table[slot_row, slot_col],
-            slot_weights=recv_w[slot_row, slot_col] if recv_w is not None else None,
-            slot_table=slot_table, rank_table=rank_table.view(w, t).t().contiguous(),
-            recv_src_token=recv_src_token, expert_alignment=alignment, gap_rows=gap_rows,
+            rank=self.rank, world_size=w, num_experts=n_exp, hidden=x.shape[1], num_topk=k, num_tokens=x.shape[0],
+            send_counts=send_counts, recv_counts=recv_counts, send_token=sent.send_token[:n_send],
+            recv_topk_idx=got.recv_topk_idx, recv_topk_weights=got.recv_topk_weights, expand_row=got.expand_row,
+            expand_slot=got.expand_slot, row_weights=got.row_weights, tokens_per_expert=tokens_per_expert,
+            split_lens=got.split_lens, split_offsets=got.split_offsets,
+            slot_counts=[sum(p[slots + j] for p in peers) for j in range(k)], slot_table=got.slot_table,
+            rank_table=sent.rank_table, recv_src_token=got.recv_src_token,
+            peer_num_tokens=[p[head + 5] for p in peers], count_matrix=count_matrix, expert_alignment=alignment,
+            gap_rows=got.gap_rows,
         )
 
     # -------------------------------------------------------------------------------------------
@@ -643,7 +572,7 @@ class Buffer:
         self._check_x(y, codec, "y")
         if y.shape[0] != handle.num_rows:
             raise ValueError(f"y: expected {handle.num_rows} rows (the dispatch output's), got {y.shape[0]}")
-        if weighted and handle.slot_weights is None:
+        if weighted and handle.recv_topk_weights is None:
             raise ValueError("weighted: the dispatch had no topk_weights; pass weighted=False or dispatch weights")
         if self._direct(y):
             return symmetric.combine_sums(self.backend, y, handle, handle.recv_topk_weights if weighted else None,
@@ -670,15 +599,16 @@ class Buffer:
     def _local_sums(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool) -> torch.Tensor:
         """float32 [n_recv, H]: per received token, the sum over its local slots in slot order."""
         acc = torch.zeros(handle.num_recv_tokens, y.shape[1], dtype=torch.float32, device=self.device)
+        slot_row, slot_out, slot_weights = slot_order(handle)
         start = 0
         for count in handle.slot_counts:
             if count:
                 sel = slice(start, start + count)
-                contrib = gather_rows(y, handle.slot_out[sel]).to(torch.float32)
+                contrib = gather_rows(y, slot_out[sel]).to(torch.float32)
                 if weighted:
-                    contrib = contrib * handle.slot_weights[sel].unsqueeze(1)
+                    contrib = contrib * slot_weights[sel].unsqueeze(1)
                 # one slot touches each token at most once: no colliding adds, a fixed order
-                acc.index_add_(0, handle.slot_row[sel], contrib)
+                acc.index_add_(0, slot_row[sel], contrib)
             start += count
         return acc
 

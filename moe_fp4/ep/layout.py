@@ -99,26 +99,17 @@ def send_order(layout: DispatchLayout, num_send: int) -> tuple[torch.Tensor, tor
     """The rows of the dispatch send buffer: grouped by destination rank (ascending), tokens in
     ascending order within a rank. num_send = layout.num_tokens_per_rank.sum() (known on the host).
 
-    Returns (token int64 [num_send], rank int64 [num_send]); no host synchronisation."""
-    return token_and_rank(send_keys(layout, num_send), layout.is_token_in_rank.shape[0])
-
-
-def send_keys(layout: DispatchLayout, num_send: int) -> torch.Tensor:
-    """int64 [num_send]: rank * T + token of each row of the send buffer, ascending (the send order);
-    one sort, no host synchronisation."""
+    Returns (token int64 [num_send], rank int64 [num_send]), by counting; no host synchronisation."""
     in_rank = layout.is_token_in_rank
     t, w = in_rank.shape
-    key = torch.arange(w * t, device=in_rank.device).view(w, t)
-    key = torch.where(in_rank.t(), key, w * t)  # rows not sent sort last
-    return torch.sort(key.reshape(-1)).values[:num_send]
-
-
-def token_and_rank(keys: torch.Tensor, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """keys int64 [n] of the form rank * num_tokens + token (``send_keys``) -> (token int64 [n],
-    rank int64 [n])."""
-    if num_tokens == 0:  # (then there are no keys)
-        return keys, keys.clone()
-    return keys % num_tokens, keys // num_tokens
+    flag = in_rank.to(torch.int64)
+    start = torch.cumsum(layout.num_tokens_per_rank, 0) - layout.num_tokens_per_rank
+    row = torch.where(in_rank, torch.cumsum(flag, 0) - flag + start, num_send).reshape(-1)
+    token = torch.zeros(num_send + 1, dtype=torch.int64, device=in_rank.device)
+    rank = torch.zeros(num_send + 1, dtype=torch.int64, device=in_rank.device)
+    token.scatter_(0, row, torch.arange(t, device=in_rank.device).repeat_interleave(w))
+    rank.scatter_(0, row, torch.arange(w, device=in_rank.device).repeat(t))
+    return token[:num_send], rank[:num_send]
 
 
 def start_offsets(counts: list[int]) -> list[int]:
@@ -130,5 +121,4 @@ def start_offsets(counts: list[int]) -> list[int]:
     return out
 
 
-__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "send_keys", "start_offsets", "token_and_rank",
-           "check_topk_idx", "check_experts"]
+__all__ = ["DispatchLayout", "dispatch_layout", "send_order", "start_offsets", "check_topk_idx", "check_experts"]
