@@ -181,7 +181,7 @@ def _assert_expand_equal(got, ref):
     (16384, 8, 256, 2, "uniform", torch.int64, torch.float32),
     (8192, 8, 256, 8, "uniform", torch.int64, torch.bfloat16),
     (5000, 6, 64, 4, "holes", torch.int32, torch.float16),
-    (3000, 4, 32, 3, "bad", torch.int64, torch.float32),
+    (3000, 4, 33, 3, "bad", torch.int64, torch.float32),
     (2049, 8, 256, 64, "dup", torch.int64, torch.float32),
     (1500, 2, 8, 1, "one", torch.int64, None),
     (0, 8, 256, 2, "uniform", torch.int64, torch.float32),
