@@ -9,6 +9,7 @@ import torch
 from moe_fp4.ops import routing
 
 SEED = 20261128
+SendLayout_fields = routing.SendLayout._fields
 HEADER = [7168, 8, 256, 2, 3, 11]
 
 
@@ -30,8 +31,8 @@ def _routing(t, k, experts, seed, weights_dtype=torch.float32, kind="uniform"):
     return idx, w
 
 
-def _loop_send(idx, w, experts, world, width):
-    """The send layout by Python loops over tokens and ranks."""
+def _loop_send(idx, w, experts, world, width, block=0):
+    """The send layout by Python loops over tokens and ranks (block > 0: fixed blocks of that many rows)."""
     t, k = idx.shape
     ell = experts // world
     info = torch.zeros(world, width, dtype=torch.int64)
@@ -54,11 +55,16 @@ def _loop_send(idx, w, experts, world, width):
     send_token, meta = [], []
     bits = w.to(torch.float32).view(torch.int32)
     for r in range(world):
-        for tok in rows[r]:
+        if block:
+            info[r, routing.INFO_DROPPED] = max(0, len(rows[r]) - block)
+        for i, tok in enumerate(rows[r][:block] if block else rows[r]):
             rank_table[tok, r] = len(send_token)
             send_token.append(tok)
             ids = [int(e) % ell if 0 <= int(e) < experts and int(e) // ell == r else -1 for e in idx[tok]]
             meta.append(ids + bits[tok].tolist() + [tok])
+        while block and len(send_token) < (r + 1) * block:  # the block's unused rows
+            send_token.append(0)
+            meta.append([-1] * k + [0] * k + [-1])
     meta = torch.tensor(meta, dtype=torch.int32).view(-1, 2 * k + 1)
     return info, rank_table, torch.tensor(send_token, dtype=torch.int64), meta
 
@@ -101,14 +107,15 @@ def _exchange(sends, world):
     return got
 
 
+@pytest.mark.parametrize("block", [0, 9, 40])
 @pytest.mark.parametrize("kind", ["uniform", "holes", "one", "dup", "bad"])
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_send_layout_torch_matches_loops(kind, world):
+def test_send_layout_torch_matches_loops(kind, world, block):
     experts, k, t = 12, 3, 37
     idx, w = _routing(t, k, experts, SEED + world, kind=kind)
     width = routing.info_width(world, experts // world, 8)
-    got = routing.send_layout_torch(idx, w, experts, world, HEADER, width)
-    info, rank_table, send_token, meta = _loop_send(idx, w, experts, world, width)
+    got = routing.send_layout_torch(idx, w, experts, world, HEADER, width, block)
+    info, rank_table, send_token, meta = _loop_send(idx, w, experts, world, width, block)
     n_send = send_token.numel()
     assert torch.equal(got.info, info)
     assert torch.equal(got.rank_table, rank_table)
@@ -141,6 +148,7 @@ def test_expand_layout_torch_matches_loops(kind, alignment):
         assert (got.gap_rows is None and gaps.numel() == 0) or torch.equal(got.gap_rows, gaps)
         assert torch.equal(got.recv_topk_idx, meta[:, :k].long())
         assert torch.equal(got.recv_src_token, meta[:, 2 * k].long())
+        assert int(got.rows_needed) == rows
 
 
 def test_expand_layout_torch_drops_rows_past_capacity():
@@ -195,6 +203,11 @@ def test_native_send_layout_equals_torch(t, k, experts, world, kind, idx_dtype, 
     got = routing.send_layout(idx, w, experts, world, HEADER, width)
     ref = routing.send_layout_torch(idx, w, experts, world, HEADER, width)
     _assert_send_equal(got, ref)
+    for block in (t, t // 3 + 1):  # fixed blocks: every row is defined (and some tokens dropped in the second)
+        got = routing.send_layout(idx, w, experts, world, HEADER, width, block)
+        ref = routing.send_layout_torch(idx, w, experts, world, HEADER, width, block)
+        for name in SendLayout_fields:
+            assert torch.equal(getattr(got, name).cpu(), getattr(ref, name).cpu()), (block, name)
 
 
 @pytest.mark.gpu
@@ -227,8 +240,13 @@ def test_native_expand_layout_equals_torch(t, k, experts, world, alignment, kind
         cap = rows // 2
         got = routing.expand_layout(meta, k, ell, alignment, cap, 0, weights)
         ref = routing.expand_layout_torch(meta, k, ell, alignment, cap, 0, weights)
-        for name in ("slot_table", "expand_row", "expand_slot", "split_lens", "split_offsets", "recv_topk_idx"):
+        for name in ("slot_table", "expand_row", "expand_slot", "split_lens", "split_offsets", "recv_topk_idx",
+                     "rows_needed"):
             assert torch.equal(getattr(got, name).cpu(), getattr(ref, name).cpu()), name
+        # a capacity above the rows (the sync-free outputs): rows past the experts' are marked empty
+        got = routing.expand_layout(meta, k, ell, alignment, rows + 50, n_gap, weights)
+        ref = routing.expand_layout_torch(meta, k, ell, alignment, rows + 50, n_gap, weights)
+        _assert_expand_equal(got, ref)
 
 
 @pytest.mark.gpu

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_count_kernel(SendLayou
 __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayoutParams p, int tiles) {
   __shared__ long long s_base[kMaxLayoutRanks];
   __shared__ long long s_total[kMaxLayoutRanks];
+  __shared__ long long s_start[kMaxLayoutRanks];  // first row of each block laid back to back
   __shared__ int s_warp[kMaxLayoutRanks][32];
   const int e_all = p.num_experts, w = p.world_size, k = p.topk, per_rank = e_all / w;
   const long long width = send_tile_width(e_all, w, k);
@@ -104,6 +105,7 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayou
     long long offset = 0;
     for (int r = 0; r < static_cast<int>(threadIdx.x); ++r) offset += s_total[r];
     s_base[threadIdx.x] += offset;
+    s_start[threadIdx.x] = offset;
   }
   const long long t = static_cast<long long>(blockIdx.x) * kSendThreads + threadIdx.x;
   const bool live = t < p.tokens;
@@ -125,16 +127,21 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayou
   __syncthreads();
   const unsigned below = (1u << lane) - 1u;
   const int meta_width = 2 * k + 1;
+  const long long block = p.block_rows;
   for (int r = 0; r < w; ++r) {
     const bool sent = (mask >> r) & 1ull;
     const unsigned b = __ballot_sync(kFull, sent);
     if (!live) continue;
-    if (!sent) {
-      p.rank_table[t * w + r] = -1;
-      continue;
+    long long row = -1;
+    if (sent) {
+      row = s_base[r] + s_warp[r][warp] + __popc(b & below);
+      if (block > 0) {  // the token's place in block r, at the block's fixed start
+        row -= s_start[r];
+        row = row < block ? r * block + row : -1;
+      }
     }
-    const long long row = s_base[r] + s_warp[r][warp] + __popc(b & below);
     p.rank_table[t * w + r] = row;
+    if (row < 0) continue;
     p.send_token[row] = t;
     int* meta = p.meta + row * meta_width;
     for (int j = 0; j < k; ++j) {
@@ -144,6 +151,22 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayou
       meta[k + j] = static_cast<int>(weight_bits(p.topk_weights, p.weights_type, t * k + j));
     }
     meta[2 * k] = static_cast<int>(t);
+  }
+  if (block > 0) {  // the unused rows of each block
+    const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (int r = 0; r < w; ++r) {
+      const long long used = s_total[r] < block ? s_total[r] : block;
+      for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < block - used; i += stride) {
+        const long long row = r * block + used + i;
+        p.send_token[row] = 0;
+        int* meta = p.meta + row * meta_width;
+        for (int j = 0; j < k; ++j) {
+          meta[j] = -1;
+          meta[k + j] = 0;
+        }
+        meta[2 * k] = -1;
+      }
+    }
   }
   // the count rows (every block writes the rows r = blockIdx.x, blockIdx.x + gridDim.x, ...)
   for (int r = blockIdx.x; r < w; r += gridDim.x) {
@@ -155,6 +178,8 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayou
         v = p.header[col - kInfoHeader];
       } else if (col == kInfoInvalid) {
         src = width - 1;
+      } else if (col == kInfoDropped) {
+        v = p.block_rows > 0 && s_total[r] > p.block_rows ? s_total[r] - p.block_rows : 0;
       } else if (col >= kInfoRanks && col < kInfoRanks + w) {
         src = rank_col + (col - kInfoRanks);
       } else if (col >= kInfoRanks + w && col < kInfoRanks + w + per_rank) {
@@ -245,6 +270,14 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
   long long aligned_total, plain_total;
   long long aligned_start = block_exclusive_scan(aligned_sum, s_warps, &aligned_total);
   long long plain_start = block_exclusive_scan(plain_sum, s_warps, &plain_total);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && p.rows_needed != nullptr) *p.rows_needed = aligned_total;
+  // rows past the experts' rows (a capacity above the rows needed)
+  for (long long row = aligned_total + static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; row < p.num_rows;
+       row += static_cast<long long>(gridDim.x) * blockDim.x) {
+    p.expand_row[row] = -1;
+    p.expand_slot[row] = -1;
+    if (p.row_weights != nullptr) p.row_weights[row] = 0.0f;
+  }
   for (int e = e0; e < e0 + run && e < num_local; ++e) {
     const long long len = s_cur[e], aligned = (len + p.alignment - 1) / p.alignment * p.alignment;
     if (blockIdx.x == 0) {

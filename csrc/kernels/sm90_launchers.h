@@ -251,19 +251,25 @@ cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cuda
 //   [kInfoError] 0 (the caller sets 1 when it rejected its inputs),
 //   [kInfoHeader, +kLayoutHeader) the header values as given,
 //   [kInfoInvalid] ids outside [-1, E),
-//   [kInfoRanks, +W) tokens sent to each rank (the same in every row),
+//   [kInfoDropped] with block_rows: the tokens for rank r past its block (not sent),
+//   [kInfoRanks, +W) tokens routed to each rank (the same in every row),
 //   [kInfoRanks + W, +L) (token, slot) pairs sent to each of rank r's L = E / W experts,
 //   [kInfoRanks + W + L, +k) tokens whose slot j goes to rank r; zeros up to info_width.
 constexpr int kInfoError = 0;
 constexpr int kInfoHeader = 1;
 constexpr int kLayoutHeader = 8;
 constexpr int kInfoInvalid = kInfoHeader + kLayoutHeader;
-constexpr int kInfoRanks = kInfoInvalid + 1;
+constexpr int kInfoDropped = kInfoInvalid + 1;
+constexpr int kInfoRanks = kInfoDropped + 1;
 constexpr int kMaxLayoutRanks = 64;     // destination sets are 64-bit masks
 constexpr int kMaxLayoutExperts = 1024; // local experts of the expand layout (per-warp counters in shared memory)
 
 // Sender: the send order (blocks by destination rank, tokens ascending in a block), each token's row in
-// it, the metadata rows and the count rows. Two kernels, no host synchronization.
+// it, the metadata rows and the count rows. Two kernels, no host synchronization. With block_rows = B > 0
+// rank r's block is rows [r B, r B + B) whatever the counts (the layout of a dispatch whose sizes the
+// host does not know): the first B tokens for r take its first rows, later ones are not sent (rank_table
+// -1, counted in kInfoDropped), and the block's unused rows get metadata ids -1, weights 0, token -1 and
+// send_token 0.
 struct SendLayoutParams {
   const void* topk_idx;          // int32/int64 [T, k] (contiguous): expert ids, -1 none, others invalid
   bool idx_is64;
@@ -277,7 +283,9 @@ struct SendLayoutParams {
   long long* info;               // int64 [W, info_width] (output): the count rows
   int info_width;                // >= kInfoRanks + W + E / W + k
   long long* rank_table;         // int64 [T, W] (output): the send row of (token, rank), -1 if not sent there
-  long long* send_token;         // int64 [T * W] (output): the token of each send row (the first n_send)
+  long long* send_token;         // int64 [T * W] (W * B with block_rows) (output): the token of each send
+                                 // row (the first n_send)
+  long long block_rows;          // B: 0 for blocks back to back, else each block's fixed row count
   int* meta;                     // int32 [T * W, 2k + 1] (output, the first n_send rows): the ids of the
                                  // rank's experts as local ids (-1 elsewhere), the weights' float32 bits,
                                  // the token's index
@@ -288,7 +296,8 @@ cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream);
 
 // Receiver: the received tokens' (token, slot) entries grouped by local expert, in entry order within
 // an expert, each expert's rows starting at the aligned prefix of the lengths (a stable counting sort,
-// two kernels). Rows at or past num_rows are not written (their slots get -1).
+// two kernels). Rows at or past num_rows are not written (their slots get -1); rows past the last
+// expert's (aligned) rows get expand_row -1, expand_slot -1, row_weights 0.
 struct ExpandLayoutParams {
   const int* meta;               // int32 [n, 2k + 1]: the received metadata rows (as SendLayoutParams::meta)
   long long tokens;              // n
@@ -306,6 +315,7 @@ struct ExpandLayoutParams {
   long long* recv_topk_idx;      // int64 [n, k] (output): the local ids (-1 none)
   float* recv_topk_weights;      // float32 [n, k] (output, or nullptr)
   long long* recv_src_token;     // int64 [n] (output): each token's index in its source's batch
+  long long* rows_needed;        // int64 [1] (output, or nullptr): the rows the experts take, aligned
   int* scratch;                  // int32 [expand_layout_scratch_ints(n, k, L)]
 };
 long long expand_layout_scratch_ints(long long tokens, int topk, int num_local);

@@ -676,7 +676,8 @@ std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden)
 // [T, W], send_token int64 [T * W], meta int32 [T * W, 2k + 1]); see moe_fp4.ops.routing.
 std::tuple<Tensor, Tensor, Tensor, Tensor> send_layout(const Tensor& topk_idx, const std::optional<Tensor>& topk_weights,
                                                        int64_t num_experts, int64_t world_size,
-                                                       const std::vector<int64_t>& header, int64_t info_width) {
+                                                       const std::vector<int64_t>& header, int64_t info_width,
+                                                       int64_t block_rows) {
   MOE_FP4_CHECK_CUDA(topk_idx, "topk_idx");
   MOE_FP4_CHECK_DIM(topk_idx, 2, "topk_idx");
   TORCH_CHECK(topk_idx.is_contiguous(), "topk_idx: expected a contiguous tensor");
@@ -691,6 +692,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> send_layout(const Tensor& topk_idx, c
   TORCH_CHECK(k >= 1 && t < INT_MAX, "topk_idx: expected shape [T, k] with k >= 1 and T < 2^31, got ", topk_idx.sizes());
   TORCH_CHECK(info_width >= moe_fp4::kInfoRanks + world_size + num_experts / world_size + k && info_width <= INT_MAX,
               "info_width: too small for ", world_size, " ranks, ", num_experts, " experts and k=", k);
+  TORCH_CHECK(block_rows >= 0, "block_rows: expected a non-negative int, got ", block_rows);
   const c10::cuda::CUDAGuard guard(topk_idx.device());
   moe_fp4::SendLayoutParams p{};
   if (topk_weights.has_value()) {
@@ -704,8 +706,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> send_layout(const Tensor& topk_idx, c
   const auto opts = topk_idx.options();
   Tensor info = at::empty({world_size, info_width}, opts.dtype(at::kLong));
   Tensor rank_table = at::empty({t, world_size}, opts.dtype(at::kLong));
-  Tensor send_token = at::empty({t * world_size}, opts.dtype(at::kLong));
-  Tensor meta = at::empty({t * world_size, 2 * k + 1}, opts.dtype(at::kInt));
+  const int64_t send_rows = block_rows > 0 ? block_rows * world_size : t * world_size;
+  Tensor send_token = at::empty({send_rows}, opts.dtype(at::kLong));
+  Tensor meta = at::empty({send_rows, 2 * k + 1}, opts.dtype(at::kInt));
   Tensor scratch = at::empty({moe_fp4::send_layout_scratch_ints(t, k, num_experts, world_size)}, opts.dtype(at::kInt));
   p.topk_idx = topk_idx.data_ptr();
   p.idx_is64 = topk_idx.scalar_type() == at::kLong;
@@ -718,6 +721,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> send_layout(const Tensor& topk_idx, c
   p.info_width = static_cast<int>(info_width);
   p.rank_table = reinterpret_cast<long long*>(rank_table.data_ptr<int64_t>());
   p.send_token = reinterpret_cast<long long*>(send_token.data_ptr<int64_t>());
+  p.block_rows = block_rows;
   p.meta = meta.data_ptr<int>();
   p.scratch = scratch.data_ptr<int>();
   check_launch(moe_fp4::launch_send_layout(p, c10::cuda::getCurrentCUDAStream()), "send_layout");
@@ -728,7 +732,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> send_layout(const Tensor& topk_idx, c
 // expand_slot [R], row_weights [R] or None, split_lens [L], split_offsets [L], gap_rows [num_gap] or
 // None, recv_topk_idx [n, k], recv_topk_weights [n, k] or None, recv_src_token [n]); see moe_fp4.ops.routing.
 std::tuple<Tensor, Tensor, Tensor, std::optional<Tensor>, Tensor, Tensor, std::optional<Tensor>, Tensor,
-           std::optional<Tensor>, Tensor>
+           std::optional<Tensor>, Tensor, Tensor>
 expand_layout(const Tensor& meta, int64_t topk, int64_t num_local, int64_t alignment, int64_t num_rows, int64_t num_gap,
               bool weights) {
   MOE_FP4_CHECK_CUDA(meta, "meta");
@@ -757,6 +761,7 @@ expand_layout(const Tensor& meta, int64_t topk, int64_t num_local, int64_t align
   Tensor split_offsets = at::empty({num_local}, i64);
   Tensor recv_idx = at::empty({n, topk}, i64);
   Tensor recv_src = at::empty({n}, i64);
+  Tensor rows_needed = at::empty({1}, i64);
   Tensor scratch = at::empty({moe_fp4::expand_layout_scratch_ints(n, static_cast<int>(topk), static_cast<int>(num_local))},
                              opts);
   moe_fp4::ExpandLayoutParams p{};
@@ -776,9 +781,11 @@ expand_layout(const Tensor& meta, int64_t topk, int64_t num_local, int64_t align
   p.recv_topk_idx = reinterpret_cast<long long*>(recv_idx.data_ptr<int64_t>());
   p.recv_topk_weights = weights ? recv_w->data_ptr<float>() : nullptr;
   p.recv_src_token = reinterpret_cast<long long*>(recv_src.data_ptr<int64_t>());
+  p.rows_needed = reinterpret_cast<long long*>(rows_needed.data_ptr<int64_t>());
   p.scratch = scratch.data_ptr<int>();
   check_launch(moe_fp4::launch_expand_layout(p, c10::cuda::getCurrentCUDAStream()), "expand_layout");
-  return {slot_table, expand_row, expand_slot, row_weights, split_lens, split_offsets, gap_rows, recv_idx, recv_w, recv_src};
+  return {slot_table, expand_row, expand_slot, row_weights, split_lens, split_offsets, gap_rows, recv_idx, recv_w, recv_src,
+          rows_needed};
 }
 
 }  // namespace
@@ -830,7 +837,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));
   m.def("send_layout", &send_layout, "the dispatch's send order, count rows and metadata from topk_idx [T,k]",
         py::arg("topk_idx"), py::arg("topk_weights"), py::arg("num_experts"), py::arg("world_size"), py::arg("header"),
-        py::arg("info_width"));
+        py::arg("info_width"), py::arg("block_rows") = 0);
   m.def("expand_layout", &expand_layout, "the dispatch's expert-order tables from the received metadata rows",
         py::arg("meta"), py::arg("topk"), py::arg("num_local"), py::arg("alignment"), py::arg("num_rows"),
         py::arg("num_gap"), py::arg("weights"));

@@ -12,11 +12,17 @@ On CUDA with the native extension each is two kernels and never synchronizes wit
 
 Count rows (int64 [W, width], row r for destination rank r):
   [INFO_ERROR] 0 (a caller that rejected its inputs sends 1), [INFO_HEADER, +LAYOUT_HEADER) the
-  header values, [INFO_INVALID] ids outside [-1, E), [INFO_RANKS, +W) tokens sent to each rank,
+  header values, [INFO_INVALID] ids outside [-1, E), [INFO_DROPPED] with fixed blocks the tokens
+  for rank r past its block (not sent), [INFO_RANKS, +W) tokens routed to each rank,
   then L = E / W counts of (token, slot) pairs per expert of rank r, then k counts of tokens whose
   slot j goes to rank r, zeros up to width.
 Metadata rows (int32 [n, 2k + 1]): the local ids of the destination's experts (-1 elsewhere), the
 weights' float32 bits (0 without weights), the token's index in the sender's batch.
+
+Fixed blocks (``block_rows=B``, the sync-free dispatch): rank r's block of the send buffer is rows
+[r B, r B + B) whatever the counts, so that every size is known without reading the counts: the
+first B tokens for r fill its first rows, later ones are not sent (counted in INFO_DROPPED), and the
+block's unused rows carry metadata ids -1 (no entries), weights 0, token -1, and send_token 0.
 """
 
 from __future__ import annotations
@@ -31,7 +37,8 @@ INFO_ERROR = 0
 INFO_HEADER = 1
 LAYOUT_HEADER = 8  # header values at most
 INFO_INVALID = INFO_HEADER + LAYOUT_HEADER
-INFO_RANKS = INFO_INVALID + 1
+INFO_DROPPED = INFO_INVALID + 1
+INFO_RANKS = INFO_DROPPED + 1
 MAX_RANKS = 64  # the native kernels' limits (the torch functions have none)
 MAX_LOCAL_EXPERTS = 1024
 
@@ -59,21 +66,23 @@ class ExpandLayout(NamedTuple):
     recv_topk_idx: torch.Tensor          # int64 [n, k]: local expert ids, -1 for none
     recv_topk_weights: torch.Tensor | None  # float32 [n, k]
     recv_src_token: torch.Tensor         # int64 [n]: each token's index in its sender's batch
+    rows_needed: torch.Tensor            # int64 [1]: the rows the experts take, aligned (> R: rows were dropped)
 
 
 def send_layout(topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, num_experts: int, world_size: int,
-                header: list[int], width: int) -> SendLayout:
+                header: list[int], width: int, block_rows: int = 0) -> SendLayout:
     """topk_idx int64/int32 [T, k] (contiguous): expert ids in [0, num_experts), -1 for none (other
     ids are counted as invalid and sent nowhere); topk_weights float [T, k] (contiguous) or None;
-    header: at most LAYOUT_HEADER ints copied into every count row; width: the count rows' columns."""
+    header: at most LAYOUT_HEADER ints copied into every count row; width: the count rows' columns;
+    block_rows: 0 (blocks back to back, sized by the counts) or B > 0 (fixed blocks of B rows)."""
     if len(header) > LAYOUT_HEADER:
         raise ValueError(f"header: at most {LAYOUT_HEADER} values, got {len(header)}")
     if width < info_width(world_size, num_experts // world_size, topk_idx.shape[1]):
         raise ValueError(f"width: {width} columns are too few for the count rows")
     if topk_idx.is_cuda and _native.available() and world_size <= MAX_RANKS:
         return SendLayout(*_native.module().send_layout(topk_idx, topk_weights, num_experts, world_size,
-                                                        list(header), width))
-    return send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, width)
+                                                        list(header), width, block_rows))
+    return send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, width, block_rows)
 
 
 def expand_layout(meta: torch.Tensor, topk: int, num_local: int, alignment: int, num_rows: int, num_gap: int,
@@ -88,7 +97,7 @@ def expand_layout(meta: torch.Tensor, topk: int, num_local: int, alignment: int,
     return expand_layout_torch(meta, topk, num_local, alignment, num_rows, num_gap, weights)
 
 
-def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, width) -> SendLayout:
+def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, width, block_rows=0) -> SendLayout:
     """The reference of ``send_layout`` in torch ops (CPU, or CUDA without the extension)."""
     t, k = topk_idx.shape
     w, ell = world_size, num_experts // world_size
@@ -110,13 +119,20 @@ def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, w
     info[:, INFO_RANKS:INFO_RANKS + w] = per_rank.unsqueeze(0)
     info[:, INFO_RANKS + w:INFO_RANKS + w + ell] = per_expert.view(w, ell)
     info[:, INFO_RANKS + w + ell:INFO_RANKS + w + ell + k] = slots
-    # send rows: rank blocks back to back, tokens ascending within a block
+    # send rows: rank blocks back to back (or at fixed starts), tokens ascending within a block
     flag = in_rank.to(torch.int64)
-    rank_start = torch.cumsum(per_rank, 0) - per_rank
-    rank_table = torch.where(in_rank, torch.cumsum(flag, 0) - flag + rank_start, -1)
-    target = torch.where(in_rank, rank_table, t * w).reshape(-1)  # rows not sent land past the end
+    pos = torch.cumsum(flag, 0) - flag  # the token's place in its rank's block
+    if block_rows:
+        info[:, INFO_DROPPED] = (per_rank - block_rows).clamp(min=0)
+        in_rank = in_rank & (pos < block_rows)
+        rank_table = torch.where(in_rank, pos + torch.arange(w, device=dev) * block_rows, -1)
+        n_rows = w * block_rows
+    else:
+        rank_table = torch.where(in_rank, pos + torch.cumsum(per_rank, 0) - per_rank, -1)
+        n_rows = t * w
+    target = torch.where(in_rank, rank_table, n_rows).reshape(-1)  # rows not sent land past the end
     token = torch.arange(t, device=dev)
-    send_token = torch.zeros(t * w + 1, dtype=torch.int64, device=dev)
+    send_token = torch.zeros(n_rows + 1, dtype=torch.int64, device=dev)
     send_token.scatter_(0, target, token.repeat_interleave(w))
     ranks = torch.arange(w, device=dev).view(1, w, 1)
     meta = torch.empty(t, w, 2 * k + 1, dtype=torch.int32, device=dev)
@@ -125,9 +141,11 @@ def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, w
         torch.zeros(t, k, dtype=torch.int32, device=dev)
     meta[:, :, k:2 * k] = bits.unsqueeze(1)
     meta[:, :, 2 * k] = token.unsqueeze(1).to(torch.int32)
-    out_meta = torch.zeros(t * w + 1, 2 * k + 1, dtype=torch.int32, device=dev)
+    out_meta = torch.zeros(n_rows + 1, 2 * k + 1, dtype=torch.int32, device=dev)
+    out_meta[:, :k] = -1  # (unused rows: no entries, weights 0, token -1)
+    out_meta[:, 2 * k] = -1
     out_meta.index_copy_(0, target, meta.reshape(t * w, 2 * k + 1))
-    return SendLayout(info, rank_table, send_token[:t * w], out_meta[:t * w])
+    return SendLayout(info, rank_table, send_token[:n_rows], out_meta[:n_rows])
 
 
 def expand_layout_torch(meta, topk, num_local, alignment, num_rows, num_gap, weights) -> ExpandLayout:
@@ -162,7 +180,7 @@ def expand_layout_torch(meta, topk, num_local, alignment, num_rows, num_gap, wei
     if num_gap:
         gap_rows = torch.nonzero_static(expand_row[:num_rows] < 0, size=num_gap, fill_value=-1).view(-1)
     return ExpandLayout(slot_table, expand_row[:num_rows], expand_slot[:num_rows], row_weights, lens, starts,
-                        gap_rows, ids, recv_w, meta[:, 2 * k].to(torch.int64))
+                        gap_rows, ids, recv_w, meta[:, 2 * k].to(torch.int64), aligned.sum().view(1))
 
 
 __all__ = ["ExpandLayout", "SendLayout", "expand_layout", "expand_layout_torch", "info_width", "send_layout",
