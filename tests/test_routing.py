@@ -149,6 +149,10 @@ def test_expand_layout_torch_matches_loops(kind, alignment):
         assert torch.equal(got.recv_topk_idx, meta[:, :k].long())
         assert torch.equal(got.recv_src_token, meta[:, 2 * k].long())
         assert int(got.rows_needed) == rows
+        bound = ell * (alignment - 1)  # a gap list of a fixed size: the gaps, then R
+        if bound:
+            padded = routing.expand_layout_torch(meta, k, ell, alignment, rows, bound, True).gap_rows
+            assert torch.equal(padded, torch.cat([gaps, torch.full((bound - gaps.numel(),), rows)]))
 
 
 def test_expand_layout_torch_drops_rows_past_capacity():
@@ -247,6 +251,13 @@ def test_native_expand_layout_equals_torch(t, k, experts, world, alignment, kind
         got = routing.expand_layout(meta, k, ell, alignment, rows + 50, n_gap, weights)
         ref = routing.expand_layout_torch(meta, k, ell, alignment, rows + 50, n_gap, weights)
         _assert_expand_equal(got, ref)
+        bound = ell * (alignment - 1)  # a gap list of a fixed size, padded with the capacity
+        for cap in (rows + 50, cap):
+            got = routing.expand_layout(meta, k, ell, alignment, cap, bound, weights)
+            ref = routing.expand_layout_torch(meta, k, ell, alignment, cap, bound, weights)
+            assert (got.gap_rows is None) == (ref.gap_rows is None)
+            if bound:
+                assert torch.equal(got.gap_rows.cpu(), ref.gap_rows.cpu())
 
 
 @pytest.mark.gpu

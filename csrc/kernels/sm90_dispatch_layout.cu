@@ -271,6 +271,11 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
   long long aligned_start = block_exclusive_scan(aligned_sum, s_warps, &aligned_total);
   long long plain_start = block_exclusive_scan(plain_sum, s_warps, &plain_total);
   if (blockIdx.x == 0 && threadIdx.x == 0 && p.rows_needed != nullptr) *p.rows_needed = aligned_total;
+  if (p.gap_rows != nullptr) {  // the gap list's entries past the gaps: num_rows
+    for (long long i = aligned_total - plain_total + static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+         i < p.num_gap; i += static_cast<long long>(gridDim.x) * blockDim.x)
+      p.gap_rows[i] = p.num_rows;
+  }
   // rows past the experts' rows (a capacity above the rows needed)
   for (long long row = aligned_total + static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; row < p.num_rows;
        row += static_cast<long long>(gridDim.x) * blockDim.x) {
@@ -284,16 +289,18 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
       p.split_lens[e] = len;
       p.split_offsets[e] = aligned_start;
     }
-    // the gap rows after expert e (experts split over the blocks)
+    // the gap rows after expert e (experts split over the blocks); one past the capacity: num_rows
     if (e % gridDim.x == blockIdx.x && aligned > len) {
       const long long gap_first = aligned_start - plain_start;
       for (long long i = len; i < aligned; ++i) {
         const long long row = aligned_start + i;
-        if (row >= p.num_rows) break;
-        p.expand_row[row] = -1;
-        p.expand_slot[row] = -1;
-        if (p.row_weights != nullptr) p.row_weights[row] = 0.0f;
-        if (p.gap_rows != nullptr) p.gap_rows[gap_first + i - len] = row;
+        if (row < p.num_rows) {
+          p.expand_row[row] = -1;
+          p.expand_slot[row] = -1;
+          if (p.row_weights != nullptr) p.row_weights[row] = 0.0f;
+        }
+        if (p.gap_rows != nullptr && gap_first + i - len < p.num_gap)
+          p.gap_rows[gap_first + i - len] = row < p.num_rows ? row : p.num_rows;
       }
     }
     s_base[e] += aligned_start;

@@ -311,7 +311,9 @@ struct ExpandLayoutParams {
   float* row_weights;            // float32 [R] (output, or nullptr): the weight of each row, 0 for a gap row
   long long* split_lens;         // int64 [L] (output)
   long long* split_offsets;      // int64 [L] (output): the aligned starts
-  long long* gap_rows;           // int64 [rows between the experts] (output, or nullptr), ascending
+  long long* gap_rows;           // int64 [num_gap] (output, or nullptr): the rows between the experts,
+                                 // ascending, num_rows for those past the capacity and the entries past them
+  long long num_gap;             // entries of gap_rows
   long long* recv_topk_idx;      // int64 [n, k] (output): the local ids (-1 none)
   float* recv_topk_weights;      // float32 [n, k] (output, or nullptr)
   long long* recv_src_token;     // int64 [n] (output): each token's index in its source's batch

@@ -62,7 +62,8 @@ class ExpandLayout(NamedTuple):
     row_weights: torch.Tensor | None     # float32 [R]: its weight, 0 for a gap row
     split_lens: torch.Tensor             # int64 [L]
     split_offsets: torch.Tensor          # int64 [L]: the aligned starts
-    gap_rows: torch.Tensor | None        # int64 [R - sum(split_lens)], ascending; None when there are none
+    gap_rows: torch.Tensor | None        # int64 [num_gap]: the rows between the experts, ascending, then R for
+                                         # any past the capacity and for the entries past the gaps; None if num_gap 0
     recv_topk_idx: torch.Tensor          # int64 [n, k]: local expert ids, -1 for none
     recv_topk_weights: torch.Tensor | None  # float32 [n, k]
     recv_src_token: torch.Tensor         # int64 [n]: each token's index in its sender's batch
@@ -89,8 +90,9 @@ def expand_layout(meta: torch.Tensor, topk: int, num_local: int, alignment: int,
                   weights: bool) -> ExpandLayout:
     """meta int32 [n, 2k + 1] (contiguous): received metadata rows; num_local: L experts here;
     alignment: each expert's rows start on a multiple of it; num_rows: R, rows of the outputs (the
-    aligned lengths' sum; rows past R are not written and their slots get -1); num_gap: the rows
-    between the experts (R minus the entries); weights: whether the metadata carries weights."""
+    aligned lengths' sum; rows past R are not written and their slots get -1); num_gap: the entries
+    of the gap list (the rows between the experts, or a bound on them: L * (alignment - 1));
+    weights: whether the metadata carries weights."""
     if meta.is_cuda and _native.available() and num_local <= MAX_LOCAL_EXPERTS:
         return ExpandLayout(*_native.module().expand_layout(meta, topk, num_local, alignment, num_rows, num_gap,
                                                             weights))
@@ -177,8 +179,14 @@ def expand_layout_torch(meta, topk, num_local, alignment, num_rows, num_gap, wei
         row_weights = torch.zeros(num_rows + 1, dtype=torch.float32, device=dev).scatter_(
             0, target, recv_w.reshape(-1)[order])[:num_rows]
     gap_rows = None
-    if num_gap:
-        gap_rows = torch.nonzero_static(expand_row[:num_rows] < 0, size=num_gap, fill_value=-1).view(-1)
+    if num_gap:  # rows [start + len, start + aligned) of each expert, in order; R past the capacity and the list
+        n_gaps = int((aligned - lens).sum())
+        of_gap = torch.repeat_interleave(torch.arange(ell, device=dev), aligned - lens, output_size=n_gaps)
+        first = torch.cumsum(aligned - lens, 0) - (aligned - lens)
+        gaps = (starts + lens - first)[of_gap] + torch.arange(n_gaps, device=dev)
+        gap_rows = torch.full((max(num_gap, n_gaps),), num_rows, dtype=torch.int64, device=dev)
+        gap_rows[:n_gaps] = gaps.clamp(max=num_rows)
+        gap_rows = gap_rows[:num_gap]
     return ExpandLayout(slot_table, expand_row[:num_rows], expand_slot[:num_rows], row_weights, lens, starts,
                         gap_rows, ids, recv_w, meta[:, 2 * k].to(torch.int64), aligned.sum().view(1))
 
