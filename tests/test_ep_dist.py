@@ -355,6 +355,99 @@ def case_errors(ctx, seed):
     return None
 
 
+def case_sync_free(ctx, seed, payload, alignment):
+    """A sync-free dispatch (max_recv_tokens) holds the synced dispatch's bits on its valid rows: the
+    expert rows and their FP8, the tables, the received tokens per source block, the combine (with
+    NaN in y's rows past the experts'), a cached dispatch on its handle; check() passes."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    for n, scenario in enumerate(SCENARIOS):
+        xs, idxs, ws, n_exp = make_world(seed + n, world, scenario)
+        x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+        buf = Buffer(n_exp, ctx.group, payload=payload)
+        ref = buf.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
+        block = max(t.shape[0] for t in xs) + 1
+        free = buf.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment, max_recv_tokens=world * block)
+        free.handle.check()
+        h, hr = free.handle, ref.handle
+        rows = hr.num_rows
+        assert h.sync_free and h.tokens_per_expert is None and h.num_rows >= rows
+        what = f"{payload}, {scenario}, alignment {alignment}"
+        for name in ("split_lens", "split_offsets"):
+            assert_bitwise_equal(getattr(h, name), getattr(hr, name), f"{name} ({what})")
+        # received token i of source s sits at row s * block + (i - first of s) of a sync-free dispatch
+        padded = torch.cat([torch.arange(c) + s * block for s, c in enumerate(hr.recv_counts)]).to(dev)
+        want_row = torch.where(hr.expand_row >= 0, padded[hr.expand_row.clamp(min=0)], -1) if padded.numel() \
+            else hr.expand_row
+        assert_bitwise_equal(h.expand_row[:rows], want_row, f"expand_row ({what})")
+        for name in ("expand_slot", "row_weights"):
+            assert_bitwise_equal(getattr(h, name)[:rows], getattr(hr, name), f"{name} ({what})")
+        assert bool((h.expand_row[rows:] == -1).all()), what
+        assert_bitwise_equal(free.rows[:rows], ref.rows, f"rows ({what})")
+        assert_bitwise_equal(free.fp8[0][:rows], ref.fp8[0], f"fp8 data ({what})")
+        assert_bitwise_equal(free.fp8[1][:rows], ref.fp8[1], f"fp8 scales ({what})")
+        assert free.fp8[0].shape[0] == h.num_rows and free.rows.shape[0] == h.num_rows
+        start = 0
+        for s, count in enumerate(hr.recv_counts):  # the received tokens sit at the start of each source's block
+            got = slice(s * block, s * block + count)
+            want = slice(start, start + count)
+            assert_bitwise_equal(free.recv_rows[got], ref.recv_rows[want], f"received rows from {s} ({what})")
+            assert_bitwise_equal(h.recv_topk_idx[got], hr.recv_topk_idx[want], f"received ids ({what})")
+            assert bool((h.recv_topk_idx[s * block + count:(s + 1) * block] == -1).all()), what
+            start += count
+        y = torch.randn(rows, H, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16)
+        y_free = torch.full((h.num_rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
+        y_free[:rows] = y
+        for r, (lo, c) in enumerate(zip(hr.split_offsets.tolist(), hr.split_lens.tolist())):  # gaps: NaN too
+            y_free[lo + c:lo + -(-c // alignment) * alignment] = float("nan")
+            y[lo + c:lo + -(-c // alignment) * alignment] = float("nan")
+        assert_bitwise_equal(buf.combine(y_free, h), buf.combine(y, hr), f"combine ({what})")
+        x2 = torch.randn_like(x)
+        assert_bitwise_equal(buf.dispatch(x2, handle=h).rows[:rows], buf.dispatch(x2, handle=hr).rows,
+                             f"cached rows ({what})")
+    return None
+
+
+def case_sync_free_overflow(ctx, seed):
+    """Tokens past a block, rows past the capacity and bad input on one rank are reported by
+    check() (ValueError naming the bound); the rank with bad input raises at the dispatch."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world, "random")
+    ell = n_exp // world
+    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+    buf = Buffer(n_exp, ctx.group, payload="mxfp4")
+    routed = [[int(((i >= d * ell) & (i < (d + 1) * ell)).any(dim=1).sum()) for d in range(world)] for i in idxs]
+    block = 2
+    out = buf.dispatch(x, idx, w, max_recv_tokens=world * block)
+    overflow = any(c > block for c in routed[rank]) or any(routed[s][rank] > block for s in range(world))
+    if overflow:
+        _expect_value_error(out.handle.check, "max_recv_tokens")
+    else:
+        out.handle.check()
+    # rows: a capacity of one row below what the experts here need
+    need = sum(int(((i >= rank * ell) & (i < (rank + 1) * ell)).sum()) for i in idxs)
+    big = world * (max(t.shape[0] for t in xs) + 1)
+    out = buf.dispatch(x, idx, w, max_recv_tokens=big, max_recv_rows=max(need - 1, 0))
+    if need:
+        _expect_value_error(out.handle.check, "max_recv_rows")
+    else:
+        out.handle.check()
+    # bad input on the last rank: it raises at once (after the transfers), the others at check()
+    bad = idx[:-1] if rank == world - 1 else idx
+    if rank == world - 1:
+        _expect_value_error(lambda: buf.dispatch(x, bad, w, max_recv_tokens=big), "topk_idx")
+    else:
+        out = buf.dispatch(x, bad, w, max_recv_tokens=big)
+        _expect_value_error(out.handle.check, "rejected")
+    # argument checks (every rank, before any transfer)
+    _expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=world * block + 1), "max_recv_tokens")
+    _expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=0), "max_recv_tokens")
+    _expect_value_error(lambda: buf.dispatch(x, handle=out.handle, max_recv_tokens=big), "max_recv_tokens")
+    _expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=big, max_recv_rows=-1), "max_recv_rows")
+    # the group still works
+    buf.dispatch(x, idx, w).handle.check()
+    return None
+
+
 def _aligned_rows(lens: list[int], alignment: int) -> tuple[list[int], list[int], int]:
     """(aligned starts, where each back-to-back row lands, rows in all) of an aligned layout."""
     padded = [-(-c // alignment) * alignment for c in lens]
@@ -631,6 +724,17 @@ def test_received_rows_equal_spec(pool, world, payload):
 @pytest.mark.parametrize("backward_payload", ["bf16", "fp8"])
 def test_autograd_matches_single_process(pool, world, backward_payload):
     pool.run(case_autograd, fresh_seed(), backward_payload, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("payload,alignment", [("mxfp4", 1), ("mxfp4", 8), ("bf16", 4), ("fp8", 1), ("nvfp4", 2)])
+def test_sync_free_dispatch_equals_synced(pool, world, payload, alignment):
+    pool.run(case_sync_free, 7100 + 13 * world + alignment, payload, alignment, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sync_free_overflow_and_errors_are_reported(pool, world):
+    pool.run(case_sync_free_overflow, 9100 + world, ranks=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

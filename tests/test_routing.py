@@ -57,7 +57,7 @@ def _loop_send(idx, w, experts, world, width, block=0):
     for r in range(world):
         if block:
             info[r, routing.INFO_DROPPED] = max(0, len(rows[r]) - block)
-        for i, tok in enumerate(rows[r][:block] if block else rows[r]):
+        for tok in rows[r][:block] if block else rows[r]:
             rank_table[tok, r] = len(send_token)
             send_token.append(tok)
             ids = [int(e) % ell if 0 <= int(e) < experts and int(e) // ell == r else -1 for e in idx[tok]]
@@ -252,9 +252,9 @@ def test_native_expand_layout_equals_torch(t, k, experts, world, alignment, kind
         ref = routing.expand_layout_torch(meta, k, ell, alignment, rows + 50, n_gap, weights)
         _assert_expand_equal(got, ref)
         bound = ell * (alignment - 1)  # a gap list of a fixed size, padded with the capacity
-        for cap in (rows + 50, cap):
-            got = routing.expand_layout(meta, k, ell, alignment, cap, bound, weights)
-            ref = routing.expand_layout_torch(meta, k, ell, alignment, cap, bound, weights)
+        for size in (rows + 50, cap):
+            got = routing.expand_layout(meta, k, ell, alignment, size, bound, weights)
+            ref = routing.expand_layout_torch(meta, k, ell, alignment, size, bound, weights)
             assert (got.gap_rows is None) == (ref.gap_rows is None)
             if bound:
                 assert torch.equal(got.gap_rows.cpu(), ref.gap_rows.cpu())

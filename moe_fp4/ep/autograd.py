@@ -76,7 +76,7 @@ class _Combine(torch.autograd.Function):
             n_slots = handle.num_recv_tokens * k
             per_slot = torch.zeros(n_slots + 1, dtype=torch.float32, device=g.device)  # + 1: gap rows' sink
             slot = handle.expand_row * k + handle.expand_slot
-            if handle.gap_rows is not None:
+            if handle.gap_rows is not None or handle.sync_free:  # rows of no slot: to the sink
                 slot = torch.where(handle.expand_row >= 0, slot, n_slots)
             per_slot.scatter_(0, slot, dots)
             per_slot = per_slot[:n_slots].reshape(-1, k)

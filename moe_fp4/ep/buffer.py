@@ -69,11 +69,18 @@ class DispatchHandle:
     recv_topk_weights: float32 [n_recv, k] or None;
     expand_row / expand_slot: int64 [N], the received token and slot of each output row;
     row_weights: float32 [N] or None, the weight of each output row;
-    tokens_per_expert: host ints [L]; split_lens / split_offsets: int64 [L] on the device;
-    slot_counts: host ints [k], the output rows of each slot (``slot_order`` lists them by slot);
+    tokens_per_expert: host ints [L] (None after a sync-free dispatch); split_lens / split_offsets:
+    int64 [L] on the device;
     expert_alignment: every expert's rows start on a multiple of it; gap_rows: int64 [N_gap], the
     output rows between the experts' rows (None when there are none): expand_row and expand_slot
-    are -1 there, row_weights 0, and no slot names them."""
+    are -1 there, row_weights 0, and no slot names them;
+    num_rows: N, the output rows;
+    sync_free: made by a dispatch with ``max_recv_tokens`` (see ``Buffer.dispatch``): every size is a
+    bound, not a count. The send and receive blocks have max_recv_tokens / W rows each whatever the
+    counts (their unused rows are named by no table), N is the row capacity, rows past the experts'
+    rows have expand_row -1 (unspecified contents), gap_rows has L * (alignment - 1) entries, those
+    past the gaps being N (the outputs keep one more row past N for them); ``check()`` reports what
+    did not fit."""
 
     rank: int
     world_size: int
@@ -89,10 +96,10 @@ class DispatchHandle:
     expand_row: torch.Tensor
     expand_slot: torch.Tensor
     row_weights: torch.Tensor | None
-    tokens_per_expert: list[int]
+    tokens_per_expert: list[int] | None
     split_lens: torch.Tensor
     split_offsets: torch.Tensor
-    slot_counts: list[int]
+    num_rows: int
     slot_table: torch.Tensor  # int64 [n_recv, k]: the output row of (received token, slot), -1 if none
     rank_table: torch.Tensor  # int64 [T, W]: the sent row of (token, rank), -1 if not sent there
     recv_src_token: torch.Tensor | None = None  # int64 [n_recv]: each received token's index at its source
@@ -102,15 +109,62 @@ class DispatchHandle:
     direct_cache: dict = field(default_factory=dict, repr=False)
     expert_alignment: int = 1
     gap_rows: torch.Tensor | None = None
+    sync_free: bool = False
+    # sync-free: the tensors check() reads (count rows sent and received, rows needed) and a local error
+    pending: dict = field(default_factory=dict, repr=False)
 
     @property
     def num_recv_tokens(self) -> int:
         return sum(self.recv_counts)
 
     @property
-    def num_rows(self) -> int:
-        """Rows of the dispatch output (and of combine's input), gap rows included."""
-        return sum(aligned_counts(self.tokens_per_expert, self.expert_alignment))
+    def alloc_rows(self) -> int:
+        """Rows to allocate for an output of the expert rows: num_rows, and one more after a sync-free
+        dispatch (the row its gap list names past the capacity; the outputs are views without it)."""
+        return self.num_rows + (1 if self.sync_free else 0)
+
+    def check(self) -> None:
+        """After a sync-free dispatch: raise ValueError if any rank rejected its inputs, the ranks'
+        shapes disagreed, ids were out of range, tokens did not fit the receive blocks
+        (max_recv_tokens) or rows did not fit the row capacity (max_recv_rows); those dispatches'
+        outputs and combines are incomplete. One host synchronisation; nothing for a synced handle."""
+        if not self.sync_free or self.pending.get("checked"):
+            return
+        p = self.pending
+        sent, got = p["info"], p["recv_info"]
+        host = torch.cat((sent[:, routing.INFO_DROPPED], got.reshape(-1), p["rows_needed"])).tolist()
+        w, width = self.world_size, got.shape[1]
+        dropped_here = sum(host[:w])
+        rows = [host[w + s * width: w + (s + 1) * width] for s in range(w)]
+        rows_needed = host[-1]
+        p["checked"] = True
+        problems = []
+        if p.get("error") is not None:
+            problems.append(f"this rank rejected its inputs ({p['error']})")
+        bad = [s for s, r in enumerate(rows) if r[routing.INFO_ERROR]]
+        if bad:
+            problems.append(f"rank(s) {bad} rejected their inputs")
+        head = routing.INFO_HEADER
+        mine = p["header"]
+        for s, r in enumerate(rows):
+            if not r[routing.INFO_ERROR] and p.get("error") is None and r[head:head + len(_SIGNATURE)] != mine[:len(
+                    _SIGNATURE)]:
+                diff = ", ".join(f"{key} {a} here vs {b} on rank {s}" for key, a, b in
+                                 zip(_SIGNATURE, mine, r[head:head + len(_SIGNATURE)]) if a != b)
+                problems.append(f"ranks disagree: {diff}")
+        invalid = {s: r[routing.INFO_INVALID] for s, r in enumerate(rows) if r[routing.INFO_INVALID]}
+        if invalid:
+            problems.append(f"topk_idx: expert ids out of [-1, {self.num_experts}) on rank(s) {invalid}")
+        dropped_in = sum(r[routing.INFO_DROPPED] for r in rows)
+        if dropped_here or dropped_in:
+            problems.append(f"max_recv_tokens: {dropped_here} token(s) of this rank and {dropped_in} for this rank "
+                            f"did not fit the blocks of {self.recv_counts[0]} tokens per source (max_recv_tokens / "
+                            "world size); raise max_recv_tokens")
+        if rows_needed > self.num_rows:
+            problems.append(f"max_recv_rows: the experts here needed {rows_needed} rows, the capacity is "
+                            f"{self.num_rows}; raise max_recv_rows")
+        if problems:
+            raise ValueError("sync-free dispatch: " + "; ".join(problems))
 
     @property
     def experts_per_rank(self) -> int:
@@ -127,7 +181,8 @@ class DispatchOutput:
       whose row stride is the row size rounded up to 128 bytes); with an ``expert_alignment`` above 1
       the rows between the experts' rows are zero bytes;
     split_lens / split_offsets: int64 [L], expert e's rows are [off_e, off_e + len_e);
-    tokens_per_expert: host ints [L] (the same lengths);
+    tokens_per_expert: host ints [L] (the same lengths; None after a sync-free dispatch, whose lengths
+      are on the device only);
     recv_topk_idx: int64 [n_recv, k] local expert ids per received token (-1: not on this rank);
     recv_topk_weights: float32 [n_recv, k] or None;
     row_weights: float32 [N] or None, the top-k weight of each output row;
@@ -155,12 +210,15 @@ class DispatchOutput:
             # each row starts on a 128-byte line (H200, the column op on 32768 dispatched mxfp4 rows of
             # 3808 bytes: 130.7 against 125.1 us when every row piece a warp reads spans two lines)
             width = self.recv_rows.shape[1]
-            self._rows = torch.empty(h.num_rows, -(-width // ROW_ALIGN) * ROW_ALIGN, dtype=torch.uint8,
-                                     device=self.recv_rows.device)[:, :width]
-            if h.gap_rows is None:
+            rows = torch.empty(h.alloc_rows, -(-width // ROW_ALIGN) * ROW_ALIGN, dtype=torch.uint8,
+                               device=self.recv_rows.device)[:, :width]
+            self._rows = rows[:h.num_rows]
+            if h.gap_rows is None and not h.sync_free:
                 gather_rows(self.recv_rows, h.expand_row, out=self._rows)
             else:  # gap rows gather row 0 (there is one: some expert has rows), then become zeros
-                gather_rows(self.recv_rows, h.expand_row.clamp(min=0), out=self._rows).index_fill_(0, h.gap_rows, 0)
+                gather_rows(self.recv_rows, h.expand_row.clamp(min=0), out=self._rows)
+                if h.gap_rows is not None:
+                    rows.index_fill_(0, h.gap_rows, 0)
         return self._rows
 
     @property
@@ -203,9 +261,11 @@ class DispatchOutput:
         conversion is row by row, so the bits equal converting ``rows``)."""
         if self.fp8 is None:
             h = self.handle
-            index = h.expand_row if h.gap_rows is None else h.expand_row.clamp(min=0)
+            index = h.expand_row if h.gap_rows is None and not h.sync_free else h.expand_row.clamp(min=0)
+            if h.sync_free:  # (the index of the row past the capacity)
+                index = torch.cat((index, index[:1] if h.num_rows else index.new_zeros(1)))
             self.fp8 = fill_gap_rows(self.payload.expand_fp8_blockwise(self.recv_rows, self.hidden, h.slot_table,
-                                                                       h.num_rows, index), self.payload, h)
+                                                                       h.alloc_rows, index), self.payload, h)
         return self.fp8
 
     def recv_to_fp8_blockwise(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,6 +285,9 @@ class DispatchOutput:
         conversion is kept with the handle, so that a cached dispatch's call is a kernel launch)."""
         if self.payload.name != "mxfp4":
             raise ValueError(f"to_fp8_cols: needs the mxfp4 payload, this dispatch used {self.payload.name!r}")
+        if self.handle.sync_free:
+            raise ValueError("to_fp8_cols: needs the expert lengths on the host; a sync-free dispatch "
+                             "(max_recv_tokens) keeps them on the device only")
         if self.hidden % formats.FP8_GROUP:
             raise ValueError(f"to_fp8_cols: needs a hidden size that is a multiple of {formats.FP8_GROUP}, "
                              f"got {self.hidden}")
@@ -240,25 +303,11 @@ def aligned_counts(counts: list[int], alignment: int) -> list[int]:
     return [-(-c // alignment) * alignment for c in counts]
 
 
-def slot_order(handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The output rows ordered by (slot, received token), for a combine that adds slot by slot:
-    (received token int64 [N], output row int64 [N], weight float32 [N] or None), made on first use
-    and kept with the handle (no host sync: the count is handle.slot_counts' sum)."""
-    if "slot_order" not in handle.direct_cache:
-        table = handle.slot_table
-        n_recv, k = table.shape
-        key = torch.where(table.t() >= 0, torch.arange(k * n_recv, device=table.device).view(k, n_recv), k * n_recv)
-        key = torch.sort(key.reshape(-1)).values[:sum(handle.slot_counts)]  # slot * n_recv + token, ascending
-        row, col = key % max(n_recv, 1), key // max(n_recv, 1)
-        w = handle.recv_topk_weights
-        handle.direct_cache["slot_order"] = (row, table[row, col], w[row, col] if w is not None else None)
-    return handle.direct_cache["slot_order"]
-
-
 def fill_gap_rows(fp8: tuple[torch.Tensor, torch.Tensor], codec: PayloadCodec,
                   handle: DispatchHandle) -> tuple[torch.Tensor, torch.Tensor]:
     """The handle's gap rows of an FP8 1x128 expert-row pair set, in place, to the payload's
-    conversion of a zero row (so that the pair equals converting ``DispatchOutput.rows``)."""
+    conversion of a zero row (so that the pair equals converting ``DispatchOutput.rows``); the pair
+    of a sync-free dispatch (handle.alloc_rows rows) is returned without its last row."""
     if handle.gap_rows is not None:
         data, scales = fp8
         key = ("zero_fp8", codec.name, data.shape[1])  # converted once per handle, not per dispatch
@@ -269,6 +318,8 @@ def fill_gap_rows(fp8: tuple[torch.Tensor, torch.Tensor], codec: PayloadCodec,
         n = handle.gap_rows.shape[0]
         data.view(torch.uint8).index_copy_(0, handle.gap_rows, z_data.view(torch.uint8).expand(n, -1))
         scales.index_copy_(0, handle.gap_rows, z_scales.expand(n, -1))
+    if fp8[0].shape[0] > handle.num_rows:  # (the sync-free outputs' row past the capacity)
+        fp8 = (fp8[0][:handle.num_rows], fp8[1][:handle.num_rows])
     return fp8
 
 
@@ -384,7 +435,8 @@ class Buffer:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                  topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
-                 payload=None, return_fp8: bool = False, expert_alignment: int | None = None) -> DispatchOutput:
+                 payload=None, return_fp8: bool = False, expert_alignment: int | None = None,
+                 max_recv_tokens: int | None = None, max_recv_rows: int | None = None) -> DispatchOutput:
         """Send each token to the ranks of its experts.
 
         x: float32/bfloat16/float16 [T, H] on the backend's device, H a multiple of the payload's
@@ -410,18 +462,63 @@ class Buffer:
           starts, ``tokens_per_expert`` / ``split_lens`` the true counts, ``handle.num_rows`` the
           rows in all; combine takes y with those rows and ignores the gap rows. It only shapes
           this rank's output: ranks may differ.
+        max_recv_tokens: None (the default: the counts are exchanged first and the host waits once for
+          them) or N, a multiple of the world size, for a sync-free dispatch: no host
+          synchronisation at all (capturable in a CUDA graph with the FP8 conversion and combine,
+          once a first call has allocated the symm backend's buffers). Each rank sends each rank a
+          block of N / W rows and receives N rows (``recv_rows``; the rows a source did not use are
+          named by no table); the expert rows are sized for the worst case, ``max_recv_rows`` (default
+          N * min(k, L) + L * (expert_alignment - 1)): ``handle.num_rows``, with ``split_lens`` /
+          ``split_offsets`` on the device, ``tokens_per_expert`` None, and rows past the experts'
+          rows unspecified (expand_row -1; combine ignores them). Tokens past a block and rows past
+          the capacity are not sent or written, and bad input on a rank is only known after the
+          transfer: ``out.handle.check()`` (one host sync) raises ValueError for any of them; call it
+          once a step. Every rank must pass the same N, hidden size, k and payload (the transfers'
+          sizes follow from them). Not with a handle; on the symm backend only with its default
+          settings (push, chunks=1, fp8_chunks=1, fp8_pull off). The valid rows hold the bits of a
+          synced dispatch of the same tokens.
         """
         if return_fp8 not in (False, True, "rows", "tokens"):
             raise ValueError(f"return_fp8: expected False, True, 'rows' or 'tokens', got {return_fp8!r}")
         alignment = _check_alignment(expert_alignment, handle if isinstance(handle, DispatchHandle) else None)
         codec = get_payload(payload) if payload is not None else self.payload
-        if handle is not None:
+        local_error = None
+        if max_recv_tokens is not None or max_recv_rows is not None:
+            self._check_sync_free(handle, max_recv_tokens, max_recv_rows)
+            handle, local_error = self._exchange_layout_sync_free(x, topk_idx, topk_weights, codec, alignment,
+                                                                  max_recv_tokens, max_recv_rows)
+            if local_error is not None:  # take part in the payload transfer with nothing to send
+                x = torch.zeros(1, handle.hidden, dtype=torch.bfloat16, device=self.device)
+                return_fp8 = False
+        elif handle is not None:
             self._check_handle(handle)
             self._check_x(x, codec)
             if x.shape[0] != handle.num_tokens:
                 raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {x.shape[0]}")
         else:
             handle = self._exchange_layout(x, topk_idx, topk_weights, codec, alignment)
+        out = self._send_payload(x, codec, handle, return_fp8)
+        if local_error is not None:
+            raise local_error
+        return out
+
+    def _check_sync_free(self, handle, max_recv_tokens, max_recv_rows) -> None:
+        if handle is not None:
+            raise ValueError("max_recv_tokens: not with a handle (a cached dispatch reuses the handle's sizes)")
+        w = self.world_size
+        if isinstance(max_recv_tokens, bool) or not isinstance(max_recv_tokens, int) or max_recv_tokens < w \
+                or max_recv_tokens % w:
+            raise ValueError(f"max_recv_tokens: expected a positive multiple of the world size {w}, got "
+                             f"{max_recv_tokens!r}")
+        if max_recv_rows is not None and (isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, int)
+                                          or max_recv_rows < 0):
+            raise ValueError(f"max_recv_rows: expected None or a non-negative int, got {max_recv_rows!r}")
+        b = self.backend
+        if getattr(b, "direct", False) and not (b.push and b.chunks == 1 and b.fp8_chunks == 1 and not b.fp8_pull):
+            raise ValueError("max_recv_tokens: the symm backend dispatches sync-free only with its default settings "
+                             "(push, chunks=1, fp8_chunks=1, fp8_pull off)")
+
+    def _send_payload(self, x: torch.Tensor, codec: PayloadCodec, handle: DispatchHandle, return_fp8) -> DispatchOutput:
         hidden = x.shape[1]
         if self._direct(x):
             per_token = return_fp8 == "tokens"
@@ -442,8 +539,11 @@ class Buffer:
             _convert(out, return_fp8)
             return out
         rows = codec.encode(x)
+        if handle.sync_free and rows.shape[0] == 0:  # (the unused rows of the fixed blocks gather row 0)
+            rows = rows.new_zeros(1, rows.shape[1])
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
-        full = [n == handle.num_tokens for n in handle.send_counts]
+        # (fixed blocks of a sync-free handle: the rows of each block are gathered, whatever the counts)
+        full = [n == handle.num_tokens and not handle.sync_free for n in handle.send_counts]
         if self.backend.point_to_point and self.point_to_point:
             self._exchange_rows(rows, recv_rows, handle)
         elif self.backend.sends_blocks and any(full):
@@ -530,7 +630,7 @@ class Buffer:
             where = ", ".join(f"rank {s}: {n}" for s, n in invalid if n)
             raise ValueError(f"topk_idx: expected expert ids in [-1, {n_exp}), got ids out of range ({where})")
         ranks = routing.INFO_RANKS
-        experts, slots = ranks + w, ranks + w + ell
+        experts = ranks + w
         count_matrix = [p[ranks:ranks + w] for p in peers]
         send_counts = count_matrix[self.rank]
         recv_counts = [row[self.rank] for row in count_matrix]
@@ -545,12 +645,67 @@ class Buffer:
             send_counts=send_counts, recv_counts=recv_counts, send_token=sent.send_token[:n_send],
             recv_topk_idx=got.recv_topk_idx, recv_topk_weights=got.recv_topk_weights, expand_row=got.expand_row,
             expand_slot=got.expand_slot, row_weights=got.row_weights, tokens_per_expert=tokens_per_expert,
-            split_lens=got.split_lens, split_offsets=got.split_offsets,
-            slot_counts=[sum(p[slots + j] for p in peers) for j in range(k)], slot_table=got.slot_table,
+            split_lens=got.split_lens, split_offsets=got.split_offsets, num_rows=n_out, slot_table=got.slot_table,
             rank_table=sent.rank_table, recv_src_token=got.recv_src_token,
             peer_num_tokens=[p[head + 5] for p in peers], count_matrix=count_matrix, expert_alignment=alignment,
             gap_rows=got.gap_rows,
         )
+
+    def _exchange_layout_sync_free(self, x, topk_idx, topk_weights, codec: PayloadCodec, alignment: int,
+                                   max_recv_tokens: int, max_recv_rows: int | None):
+        """The layout of a sync-free dispatch: fixed blocks of max_recv_tokens / W rows per rank pair,
+        so that no size depends on the counts; the count rows travel for ``DispatchHandle.check``.
+        Returns (handle, local error or None): a rank whose inputs fail the checks still takes part
+        in the transfers (its peers are already in them), sending nothing, when the shapes it needs
+        (x [T, H], topk_idx [T, k]) are readable, and raises after them; otherwise it raises at once."""
+        w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
+        block = max_recv_tokens // w
+        local_error = None
+        try:
+            self._check_x(x, codec)
+            self._check_routing(x, topk_idx, topk_weights)
+        except ValueError as e:
+            local_error = e
+            readable = isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(topk_idx, torch.Tensor) \
+                and topk_idx.dim() == 2 and 1 <= topk_idx.shape[1] <= MAX_TOPK
+            if not readable:
+                raise
+        k, hidden = topk_idx.shape[1], x.shape[1]
+        tokens = x.shape[0] if local_error is None else 0
+        header = [hidden, k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1), tokens]
+        width = routing.info_width(w, ell, MAX_TOPK)
+        if local_error is None:
+            weights = None if topk_weights is None else topk_weights.contiguous()
+            sent = routing.send_layout(topk_idx.contiguous(), weights, n_exp, w, header, width, block)
+        else:
+            info = torch.zeros(w, width, dtype=torch.int64, device=self.device)
+            info[:, routing.INFO_ERROR] = 1
+            meta = torch.zeros(w * block, 2 * k + 1, dtype=torch.int32, device=self.device)
+            meta[:, :k] = -1
+            meta[:, 2 * k] = -1
+            sent = routing.SendLayout(info, torch.full((1, w), -1, dtype=torch.int64, device=self.device),
+                                      torch.zeros(w * block, dtype=torch.int64, device=self.device), meta)
+        recv_info = torch.empty_like(sent.info)
+        self.backend.all_to_all(recv_info, sent.info, None, None)
+        recv_meta = torch.empty_like(sent.meta)
+        self.backend.all_to_all(recv_meta, sent.meta, None, None)
+        n_recv = w * block
+        rows = max_recv_rows if max_recv_rows is not None else n_recv * min(k, ell) + ell * (alignment - 1)
+        got = routing.expand_layout(recv_meta, k, ell, alignment, rows, ell * (alignment - 1),
+                                    topk_weights is not None)
+        handle = DispatchHandle(
+            rank=self.rank, world_size=w, num_experts=n_exp, hidden=hidden, num_topk=k,
+            num_tokens=x.shape[0] if local_error is None else 1, send_counts=[block] * w,
+            recv_counts=[block] * w, send_token=sent.send_token, recv_topk_idx=got.recv_topk_idx,
+            recv_topk_weights=got.recv_topk_weights, expand_row=got.expand_row, expand_slot=got.expand_slot,
+            row_weights=got.row_weights, tokens_per_expert=None, split_lens=got.split_lens,
+            split_offsets=got.split_offsets, num_rows=rows, slot_table=got.slot_table, rank_table=sent.rank_table,
+            recv_src_token=got.recv_src_token, peer_num_tokens=[block] * w, count_matrix=[[block] * w] * w,
+            expert_alignment=alignment, gap_rows=got.gap_rows, sync_free=True,
+            pending=dict(info=sent.info, recv_info=recv_info, rows_needed=got.rows_needed, header=header,
+                         error=None if local_error is None else str(local_error)),
+        )
+        return handle, local_error
 
     # -------------------------------------------------------------------------------------------
     # combine
@@ -597,30 +752,24 @@ class Buffer:
         return self._rank_sums(codec.decode(back, y.shape[1]), handle).to(torch.bfloat16)
 
     def _local_sums(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool) -> torch.Tensor:
-        """float32 [n_recv, H]: per received token, the sum over its local slots in slot order."""
+        """float32 [n_recv, H]: per received token, the sum over its local slots in slot order (whole
+        tensors per slot: no host sync, also for a sync-free handle)."""
         acc = torch.zeros(handle.num_recv_tokens, y.shape[1], dtype=torch.float32, device=self.device)
-        slot_row, slot_out, slot_weights = slot_order(handle)
-        start = 0
-        for count in handle.slot_counts:
-            if count:
-                sel = slice(start, start + count)
-                contrib = gather_rows(y, slot_out[sel]).to(torch.float32)
-                if weighted:
-                    contrib = contrib * slot_weights[sel].unsqueeze(1)
-                # one slot touches each token at most once: no colliding adds, a fixed order
-                acc.index_add_(0, slot_row[sel], contrib)
-            start += count
+        for j in range(handle.num_topk):
+            rows = handle.slot_table[:, j]
+            contrib = gather_rows(y, rows.clamp(min=0)).to(torch.float32)
+            if weighted:
+                contrib = contrib * handle.recv_topk_weights[:, j].unsqueeze(1)
+            # (acc is never -0.0, so adding +0.0 for a slot without a row leaves its bits as they are)
+            acc += torch.where((rows >= 0).unsqueeze(1), contrib, 0.0)
         return acc
 
     def _rank_sums(self, values: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """values float32 [n_send, H] grouped by rank -> float32 [T, H], ranks added in order."""
+        """values float32 [rows sent, H] in send order -> float32 [T, H], ranks added in order."""
         out = torch.zeros(handle.num_tokens, values.shape[1], dtype=torch.float32, device=self.device)
-        start = 0
-        for count in handle.send_counts:
-            if count:
-                sel = slice(start, start + count)
-                out.index_add_(0, handle.send_token[sel], values[sel])
-            start += count
+        for r in range(handle.world_size):
+            rows = handle.rank_table[:, r]
+            out += torch.where((rows >= 0).unsqueeze(1), values[rows.clamp(min=0)], 0.0)
         return out
 
 
