@@ -397,7 +397,7 @@ def case_sync_free(ctx, seed, payload, alignment):
         y = torch.randn(rows, H, generator=torch.Generator().manual_seed(seed)).to(dev, torch.bfloat16)
         y_free = torch.full((h.num_rows, H), float("nan"), dtype=torch.bfloat16, device=dev)
         y_free[:rows] = y
-        for r, (lo, c) in enumerate(zip(hr.split_offsets.tolist(), hr.split_lens.tolist())):  # gaps: NaN too
+        for lo, c in zip(hr.split_offsets.tolist(), hr.split_lens.tolist()):  # gaps: NaN too
             y_free[lo + c:lo + -(-c // alignment) * alignment] = float("nan")
             y[lo + c:lo + -(-c // alignment) * alignment] = float("nan")
         assert_bitwise_equal(buf.combine(y_free, h), buf.combine(y, hr), f"combine ({what})")
