@@ -778,6 +778,7 @@ expand_layout(const Tensor& meta, int64_t topk, int64_t num_local, int64_t align
   p.split_lens = reinterpret_cast<long long*>(split_lens.data_ptr<int64_t>());
   p.split_offsets = reinterpret_cast<long long*>(split_offsets.data_ptr<int64_t>());
   p.gap_rows = num_gap > 0 ? reinterpret_cast<long long*>(gap_rows->data_ptr<int64_t>()) : nullptr;
+  p.num_gap = num_gap;
   p.recv_topk_idx = reinterpret_cast<long long*>(recv_idx.data_ptr<int64_t>());
   p.recv_topk_weights = weights ? recv_w->data_ptr<float>() : nullptr;
   p.recv_src_token = reinterpret_cast<long long*>(recv_src.data_ptr<int64_t>());

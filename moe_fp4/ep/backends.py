@@ -43,7 +43,10 @@ class LocalBackend(AllToAllBackend):
     name = "local"
 
     def __init__(self, device: torch.device | str = "cpu"):
-        self.device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors get it
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
 
     def all_to_all(self, out, inp, out_splits, in_splits):
         if out.shape != inp.shape:
