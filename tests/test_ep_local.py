@@ -191,6 +191,7 @@ def test_world_of_one_dispatch_combine():
 def test_world_of_one_expert_alignment(alignment):
     """A world of one with expert_alignment: every expert starts on a multiple of it, the rows are
     the back-to-back rows at those starts, the rows between are zero and combine ignores them."""
+    torch.manual_seed(20261128 + alignment)
     buf = Buffer(6, payload="mxfp4")
     x = torch.randn(23, 128)
     idx = random_routing(23, 4, 6)
@@ -215,8 +216,9 @@ def test_world_of_one_expert_alignment(alignment):
     y = torch.full((sum(padded), 128), float("inf"))
     y[dst] = ref.values().float() * 3
     assert_bitwise_equal(buf.combine(y, got.handle), buf.combine(ref.values().float() * 3, ref.handle), "combine")
-    with pytest.raises(ValueError, match="y: expected"):
-        buf.combine(ref.values(), got.handle)  # the back-to-back row count
+    if sum(padded) != sum(lens):
+        with pytest.raises(ValueError, match="y: expected"):
+            buf.combine(ref.values(), got.handle)  # the back-to-back row count
     x96 = torch.randn(5, 96)  # an mxfp4 hidden size the column operand does not take
     with pytest.raises(ValueError, match="to_fp8_cols: needs a hidden size that is a multiple of 128, got 96"):
         buf.dispatch(x96, idx[:5], expert_alignment=alignment).to_fp8_cols()
