@@ -10,10 +10,12 @@
 namespace moe_fp4 {
 namespace {
 
-constexpr int kSendThreads = 1024;    // tokens per tile of the send layout (a thread per token)
+constexpr int kSendThreads = 256;     // tokens per tile of the send layout (a thread per token; small
+                                      // tiles: more blocks to hide the latency of each token's loads)
 constexpr int kExpandThreads = 256;   // 8 warps per tile of the expand layout
 constexpr int kExpandWarps = kExpandThreads / 32;
 constexpr int kExpandPerWarp = 512;   // entries per warp: 16 rounds of 32, in entry order
+constexpr int kExpandRounds = kExpandPerWarp / 32;
 constexpr int kExpandTile = kExpandWarps * kExpandPerWarp;
 constexpr unsigned kFull = 0xFFFFFFFFu;
 
@@ -144,6 +146,7 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayou
     if (row < 0) continue;
     p.send_token[row] = t;
     int* meta = p.meta + row * meta_width;
+#pragma unroll 4
     for (int j = 0; j < k; ++j) {
       const long long id = load_index(p.topk_idx, p.idx_is64, t * k + j);
       const bool here = id >= 0 && id < e_all && static_cast<int>(id) / per_rank == r;
@@ -196,9 +199,9 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayou
 
 // The metadata entry q = (token q / k, slot q % k) of the received rows: its local expert (-1: none),
 // or -2 past the last entry.
-__device__ __forceinline__ int entry_expert(const ExpandLayoutParams& p, long long q) {
-  if (q >= p.tokens * p.topk) return -2;
-  const int e = p.meta[(q / p.topk) * (2 * p.topk + 1) + q % p.topk];
+__device__ __forceinline__ int entry_expert(const ExpandLayoutParams& p, int q) {
+  if (q >= p.tokens * p.topk) return -2;  // (the launcher keeps the entries' count below 2^31)
+  const int e = p.meta[static_cast<long long>(q / p.topk) * (2 * p.topk + 1) + q % p.topk];
   return e >= 0 && e < p.num_local ? e : -1;
 }
 
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_count_kernel(Expan
   extern __shared__ int s_hist[];
   for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) s_hist[e] = 0;
   __syncthreads();
-  const long long first = static_cast<long long>(blockIdx.x) * kExpandTile;
+  const int first = blockIdx.x * kExpandTile;
   for (int i = threadIdx.x; i < kExpandTile; i += blockDim.x) {
     const int e = entry_expert(p, first + i);
     if (e >= 0) atomicAdd(&s_hist[e], 1);
@@ -246,6 +249,18 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
   const int num_local = p.num_local;
   long long* s_base = s_dyn;                                           // [L] first row of the tile's entries
   int* s_cur = reinterpret_cast<int*>(s_base + num_local);             // [warps][L] per-warp offsets
+  // the warp's entries and their weights' bits, loaded first: one latency, overlapping the prefix work
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int k = p.topk, meta_width = 2 * k + 1;
+  const int first = blockIdx.x * kExpandTile + warp * kExpandPerWarp;
+  int expert[kExpandRounds];
+  uint32_t bits[kExpandRounds];
+#pragma unroll
+  for (int r = 0; r < kExpandRounds; ++r) {
+    const int q = first + r * 32 + lane;
+    expert[r] = entry_expert(p, q);
+    bits[r] = expert[r] != -2 ? static_cast<uint32_t>(p.meta[static_cast<long long>(q / k) * meta_width + k + q % k]) : 0u;
+  }
   // lengths and tile prefix of each expert
   for (int e = threadIdx.x; e < num_local; e += blockDim.x) {
     long long total = 0, before = 0;
@@ -310,12 +325,11 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
   __syncthreads();
   for (int i = threadIdx.x; i < kExpandWarps * num_local; i += blockDim.x) s_cur[i] = 0;
   __syncthreads();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned below = (1u << lane) - 1u;
-  const long long first = static_cast<long long>(blockIdx.x) * kExpandTile + warp * kExpandPerWarp;
   int* cur = s_cur + warp * num_local;
-  for (int round = 0; round < kExpandPerWarp; round += 32) {  // the warp's counts per expert
-    const int e = entry_expert(p, first + round + lane);
+#pragma unroll
+  for (int r = 0; r < kExpandRounds; ++r) {  // the warp's counts per expert
+    const int e = expert[r];
     const unsigned same = __match_any_sync(kFull, e);
     if (e >= 0 && (same >> lane) == 1u) cur[e] += __popc(same);  // the group's last lane
     __syncwarp();
@@ -330,15 +344,13 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
     }
   }
   __syncthreads();
-  const int k = p.topk, meta_width = 2 * k + 1;
-  for (int round = 0; round < kExpandPerWarp; round += 32) {
-    const long long q = first + round + lane;
-    const int e = entry_expert(p, q);
+#pragma unroll
+  for (int r = 0; r < kExpandRounds; ++r) {
+    const int q = first + r * 32 + lane;
+    const int e = expert[r];
     const unsigned same = __match_any_sync(kFull, e);
     if (e != -2) {
-      const long long token = q / k;
-      const int slot = static_cast<int>(q % k);
-      const int* meta = p.meta + token * meta_width;
+      const int token = q / k, slot = q % k;
       long long row = -1;
       if (e >= 0) {
         row = s_base[e] + cur[e] + __popc(same & below);
@@ -348,13 +360,12 @@ __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(Expan
       if (e >= 0 && (same >> lane) == 1u) cur[e] += __popc(same);
       p.slot_table[q] = row;
       p.recv_topk_idx[q] = e;
-      const uint32_t bits = static_cast<uint32_t>(meta[k + slot]);
-      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[q] = __uint_as_float(bits);
-      if (slot == 0) p.recv_src_token[token] = meta[2 * k];
+      if (p.recv_topk_weights != nullptr) p.recv_topk_weights[q] = __uint_as_float(bits[r]);
+      if (slot == 0) p.recv_src_token[token] = p.meta[static_cast<long long>(token) * meta_width + 2 * k];
       if (row >= 0) {
         p.expand_row[row] = token;
         p.expand_slot[row] = slot;
-        if (p.row_weights != nullptr) p.row_weights[row] = __uint_as_float(bits);
+        if (p.row_weights != nullptr) p.row_weights[row] = __uint_as_float(bits[r]);
       }
     }
     __syncwarp();
@@ -396,8 +407,8 @@ cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream) {
 cudaError_t launch_expand_layout(const ExpandLayoutParams& p, cudaStream_t stream) {
   if (p.topk < 1 || p.num_local < 1 || p.num_local > kMaxLayoutExperts || p.alignment < 1)
     return cudaErrorInvalidValue;
+  if (p.tokens * p.topk > INT32_MAX - 2 * kExpandTile) return cudaErrorInvalidValue;  // 32-bit entry indices
   const long long tiles = (p.tokens * p.topk + kExpandTile - 1) / kExpandTile;
-  if (tiles > INT32_MAX) return cudaErrorInvalidValue;
   if (tiles > 0)
     sm90_expand_count_kernel<<<static_cast<unsigned>(tiles), kExpandThreads, p.num_local * sizeof(int), stream>>>(p);
   const long long smem = p.num_local * (sizeof(long long) + kExpandWarps * sizeof(int));
