@@ -14,7 +14,8 @@ constexpr int kSendThreads = 256;     // tokens per tile of the send layout (a t
                                       // tiles: more blocks to hide the latency of each token's loads)
 constexpr int kExpandThreads = 256;   // 8 warps per tile of the expand layout
 constexpr int kExpandWarps = kExpandThreads / 32;
-constexpr int kExpandPerWarp = 512;   // entries per warp: 16 rounds of 32, in entry order
+constexpr int kExpandPerWarp = 128;   // entries per warp: 4 rounds of 32, in entry order (short
+                                      // warp chains: the rounds run one after the other)
 constexpr int kExpandRounds = kExpandPerWarp / 32;
 constexpr int kExpandTile = kExpandWarps * kExpandPerWarp;
 constexpr unsigned kFull = 0xFFFFFFFFu;
@@ -205,7 +206,7 @@ __device__ __forceinline__ int entry_expert(const ExpandLayoutParams& p, int q) 
   return e >= 0 && e < p.num_local ? e : -1;
 }
 
-// Pass 1: entries per local expert in each tile of 4096 (token, slot) entries.
+// Pass 1: entries per local expert in each tile of kExpandTile (token, slot) entries.
 __global__ void __launch_bounds__(kExpandThreads) sm90_expand_count_kernel(ExpandLayoutParams p) {
   extern __shared__ int s_hist[];
   for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) s_hist[e] = 0;
@@ -240,7 +241,7 @@ __device__ __forceinline__ long long block_exclusive_scan(long long v, long long
 }
 
 // Pass 2: the rows of each expert start at the aligned prefix of the experts' lengths; within an
-// expert the entries keep their order (received token, then slot). Each warp ranks its 512 entries
+// expert the entries keep their order (received token, then slot). Each warp ranks its kExpandPerWarp entries
 // round by round (lanes of equal expert matched, the earlier lanes counted), after the tile's warps
 // and the earlier tiles.
 __global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(ExpandLayoutParams p, int tiles) {
