@@ -23,7 +23,6 @@ class AllToAllBackend:
     world_size = 1
     device = torch.device("cpu")
     sends_blocks = False  # True: all_to_all_blocks moves each block without packing them first
-    point_to_point = False  # True: exchange() is available (per-peer sends, local rows copied here)
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None) -> None:
@@ -75,15 +74,7 @@ class TorchDistributedBackend(AllToAllBackend):
 
         # NCCL takes a list of tensors (grouped send/recv): a block needs no packing copy
         self.sends_blocks = self.name == "nccl"
-        self.point_to_point = self.name in ("nccl", "gloo")
         self._peers = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
-
-    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]):
-        """Start sends[r] -> rank r and recvs[s] <- rank s (ranks of this group) as one batch of
-        point-to-point operations; returns the works (``wait()`` them before reading recvs)."""
-        ops = [dist.P2POp(dist.isend, t, self._peers[r], self.group) for r, t in sorted(sends.items())]
-        ops += [dist.P2POp(dist.irecv, t, self._peers[r], self.group) for r, t in sorted(recvs.items())]
-        return dist.batch_isend_irecv(ops) if ops else []
 
     def all_to_all(self, out, inp, out_splits, in_splits):
         dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,

@@ -362,22 +362,15 @@ class Buffer:
     backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
       (checked against the group), "symm" (an NCCL group whose GPUs share NVLink: the dispatch stores
       payload rows straight into the receivers' symmetric-memory buffers, the combine reads partials
-      out of the peers' buffers, see moe_fp4.ep.symmetric), or an AllToAllBackend;
-    point_to_point: send the payload rows as per-peer sends and copy this rank's own rows directly
-      (default False: one all_to_all_single)."""
+      out of the peers' buffers, see moe_fp4.ep.symmetric), or an AllToAllBackend."""
 
-    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None,
-                 point_to_point: bool = False):
+    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None):
         self.backend: AllToAllBackend = make_backend(group, backend)
         self.world_size = self.backend.world_size
         self.rank = self.backend.rank
         self.experts_per_rank = check_experts(num_experts, self.world_size)
         self.num_experts = num_experts
         self.payload = get_payload(payload)
-        # True: payload rows by point-to-point sends with the local rows copied directly (see
-        # _exchange_rows). Off by default: on 2 H200s over NCCL it was slower than one
-        # all_to_all_single (benchmarks/results/dispatch.md)
-        self.point_to_point = point_to_point
         if _triton_combine.available(torch.empty(0, device=self.device)):
             _triton_combine.check_bf16_store(self.device)
 
@@ -544,9 +537,7 @@ class Buffer:
         recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
         # (fixed blocks of a sync-free handle: the rows of each block are gathered, whatever the counts)
         full = [n == handle.num_tokens and not handle.sync_free for n in handle.send_counts]
-        if self.backend.point_to_point and self.point_to_point:
-            self._exchange_rows(rows, recv_rows, handle)
-        elif self.backend.sends_blocks and any(full):
+        if self.backend.sends_blocks and any(full):
             # a rank that takes every token gets the encoded rows as they are (send order is token
             # order): no packing copy; the other ranks' rows are gathered
             blocks, start = [], 0
@@ -564,29 +555,6 @@ class Buffer:
     def _direct(self, t: torch.Tensor) -> bool:
         """Whether the payload moves through the direct (symmetric memory) path."""
         return getattr(self.backend, "direct", False) and self.backend.usable(t)
-
-    def _exchange_rows(self, rows: torch.Tensor, recv_rows: torch.Tensor, handle: DispatchHandle) -> None:
-        """The payload exchange as point-to-point sends to the other ranks, while this rank's own
-        rows are gathered straight into their place in recv_rows (they never enter the network
-        library, and the copy overlaps the transfers)."""
-        send_off = start_offsets(handle.send_counts)
-        recv_off = start_offsets(handle.recv_counts)
-        me = self.rank
-        sends, recvs = {}, {}
-        for r in range(self.world_size):
-            if r == me:
-                continue
-            if handle.send_counts[r]:
-                sel = handle.send_token[send_off[r]:send_off[r] + handle.send_counts[r]]
-                sends[r] = rows if handle.send_counts[r] == handle.num_tokens else gather_rows(rows, sel)
-            if handle.recv_counts[r]:
-                recvs[r] = recv_rows[recv_off[r]:recv_off[r] + handle.recv_counts[r]]
-        works = self.backend.exchange(sends, recvs)
-        if handle.send_counts[me]:
-            sel = handle.send_token[send_off[me]:send_off[me] + handle.send_counts[me]]
-            gather_rows(rows, sel, out=recv_rows[recv_off[me]:recv_off[me] + handle.recv_counts[me]])
-        for work in works:
-            work.wait()
 
     def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec, alignment: int = 1) -> DispatchHandle:
         w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
