@@ -27,6 +27,7 @@ FP8 rows).
   quantize_fp8_tiles           float [N, K] -> FP8 128x128 of a weight and its transpose in one pass
   dequantize_mxfp4             MXFP4 [..., H/2] + UE8M0 [..., H/32] -> bfloat16 (or float32/float16) [..., H]
   native_available, build      the extension: whether it is usable here; build/load it
+  routing (module)             the dispatch's routing tables by counting kernels: send_layout, expand_layout
 
 The extension is compiled with ninja through torch.utils.cpp_extension on first use on a CUDA
 device (or by ``python -m moe_fp4 build``) and cached.
