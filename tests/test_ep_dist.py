@@ -568,31 +568,26 @@ def case_autograd_aligned(ctx, seed, alignment):
     return None
 
 
-class _PackingBlockBackend(TorchDistributedBackend):
-    """Takes the per-rank block path of Buffer.dispatch (as NCCL does) over gloo, packing blocks."""
+def case_gather_path(ctx, seed):
+    """Rows wider than the one-pass encode takes (or more ranks than it stores to) are encoded, then
+    gathered by destination: the same received rows, synced and sync-free."""
+    from moe_fp4.ep import buffer as buffer_module
 
-    def __init__(self, group):
-        super().__init__(group)
-        self.sends_blocks = True
-
-    def all_to_all_blocks(self, out, blocks, out_splits):
-        self.blocks_seen = [b.data_ptr() for b in blocks]
-        inp = torch.cat(blocks)
-        self.all_to_all(out, inp, out_splits, [b.shape[0] for b in blocks])
-
-
-def case_block_sends(ctx, seed):
-    """A rank that takes every token is sent the encoded rows themselves; the result is unchanged."""
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    xs, idxs, ws, n_exp = make_world(seed, world, "one_expert")
-    for idx in idxs:  # every token goes to the last rank, every other one also to rank 0
-        idx[::2, 1] = 0
-    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
-    backend = _PackingBlockBackend(ctx.group)
-    plain = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w)
-    blocked = Buffer(n_exp, ctx.group, payload="mxfp4", backend=backend).dispatch(x, idx, w)
-    assert_bitwise_equal(blocked.rows, plain.rows, "rows over per-rank blocks")
-    return len(backend.blocks_seen)
+    for n, scenario in enumerate(("random", "empty_rank")):
+        xs, idxs, ws, n_exp = make_world(seed + n, world, scenario)
+        x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+        buf = Buffer(n_exp, ctx.group, payload="mxfp4")
+        n_free = world * (max(t.shape[0] for t in xs) + 1)
+        one_pass = [buf.dispatch(x, idx, w), buf.dispatch(x, idx, w, max_recv_tokens=n_free)]
+        saved, buffer_module.PUSH_ROW_BYTES = buffer_module.PUSH_ROW_BYTES, 0
+        try:
+            gathered = [buf.dispatch(x, idx, w), buf.dispatch(x, idx, w, max_recv_tokens=n_free)]
+        finally:
+            buffer_module.PUSH_ROW_BYTES = saved
+        for a, b in zip(one_pass, gathered):
+            assert_bitwise_equal(b.rows, a.rows, f"gathered rows ({scenario})")
+    return None
 
 
 def case_direct_plan(ctx, seed, scenario):
@@ -729,6 +724,11 @@ def test_sync_free_dispatch_equals_synced(pool, world, payload, alignment):
 
 
 @pytest.mark.parametrize("world", [2, 3])
+def test_gather_path_equals_one_pass_encode(pool, world):
+    pool.run(case_gather_path, 9300 + world, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
 def test_sync_free_overflow_and_errors_are_reported(pool, world):
     pool.run(case_sync_free_overflow, 9100 + world, ranks=world)
 
@@ -749,10 +749,6 @@ def test_expert_alignment(pool, world, payload, alignment):
 def test_autograd_with_expert_alignment(pool, world):
     pool.run(case_autograd_aligned, fresh_seed(), 32, ranks=world)
 
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_block_sends_agree_with_all_to_all(pool, world):
-    assert pool.run(case_block_sends, fresh_seed(), ranks=world) == [world] * world
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

@@ -22,18 +22,12 @@ class AllToAllBackend:
     rank = 0
     world_size = 1
     device = torch.device("cpu")
-    sends_blocks = False  # True: all_to_all_blocks moves each block without packing them first
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None) -> None:
         """out [sum(out_splits), ...] <- inp [sum(in_splits), ...]: rank r's block of inp goes to
         rank r, and block s of out comes from rank s. None splits mean equal blocks."""
         raise NotImplementedError
-
-    def all_to_all_blocks(self, out: torch.Tensor, blocks: list[torch.Tensor], out_splits: list[int]) -> None:
-        """Like all_to_all with the input given as one contiguous block per destination rank."""
-        inp = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        self.all_to_all(out, inp, out_splits, [b.shape[0] for b in blocks])
 
 
 class LocalBackend(AllToAllBackend):
@@ -71,19 +65,11 @@ class TorchDistributedBackend(AllToAllBackend):
             device = (torch.device("cuda", torch.cuda.current_device()) if self.name == "nccl"
                       else torch.device("cpu"))
         self.device = torch.device(device)
-
-        # NCCL takes a list of tensors (grouped send/recv): a block needs no packing copy
-        self.sends_blocks = self.name == "nccl"
         self._peers = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
 
     def all_to_all(self, out, inp, out_splits, in_splits):
         dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
                                group=self.group)
-
-    def all_to_all_blocks(self, out, blocks, out_splits):
-        if not self.sends_blocks:
-            return super().all_to_all_blocks(out, blocks, out_splits)
-        dist.all_to_all(list(out.split(out_splits)), blocks, group=self.group)
 
 
 def make_backend(group=None, backend=None) -> AllToAllBackend:

@@ -46,12 +46,16 @@ from moe_fp4.ep.payloads import (
     gather_rows,
     get_payload,
 )
-from moe_fp4.ops import routing
+from moe_fp4.ops import MAX_ROW_DESTINATIONS, routing
 from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
 ROW_ALIGN = 128  # bytes: DispatchOutput.rows starts each row on a cache line
+# The widest payload row the one-pass encode into the send blocks takes: the multi-destination
+# kernels stage rows in shared memory (29,024 bytes per row on an H100/H200); wider rows are encoded,
+# then gathered by destination.
+PUSH_ROW_BYTES = 16384
 _SIGNATURE = ("hidden", "num_topk", "num_experts", "world_size", "payload")
 
 
@@ -531,23 +535,23 @@ class Buffer:
             out = DispatchOutput(symmetric.dispatch_rows(self.backend, x, codec, handle), codec, hidden, handle)
             _convert(out, return_fp8)
             return out
-        rows = codec.encode(x)
-        if handle.sync_free and rows.shape[0] == 0:  # (the unused rows of the fixed blocks gather row 0)
-            rows = rows.new_zeros(1, rows.shape[1])
-        recv_rows = torch.empty(handle.num_recv_tokens, rows.shape[1], dtype=torch.uint8, device=self.device)
-        # (fixed blocks of a sync-free handle: the rows of each block are gathered, whatever the counts)
-        full = [n == handle.num_tokens and not handle.sync_free for n in handle.send_counts]
-        if self.backend.sends_blocks and any(full):
-            # a rank that takes every token gets the encoded rows as they are (send order is token
-            # order): no packing copy; the other ranks' rows are gathered
-            blocks, start = [], 0
-            for n, whole in zip(handle.send_counts, full):
-                blocks.append(rows if whole else gather_rows(rows, handle.send_token[start:start + n]))
-                start += n
-            self.backend.all_to_all_blocks(recv_rows, blocks, handle.recv_counts)
-        else:
-            send_rows = gather_rows(rows, handle.send_token)
+        width = codec.row_bytes(hidden)
+        recv_rows = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=self.device)
+        if handle.world_size <= MAX_ROW_DESTINATIONS and width <= PUSH_ROW_BYTES:
+            # one pass: each token encoded once and stored to its row in every destination's block of
+            # the send buffer (the rank table's rows), no gather of encoded rows by destination
+            send_rows = torch.empty(sum(handle.send_counts), width, dtype=torch.uint8, device=self.device)
+            if send_rows.shape[0] and x.shape[0]:
+                codec.encode_push(x, [send_rows] * handle.world_size, handle.rank_table)
             self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
+            out = DispatchOutput(recv_rows, codec, hidden, handle)
+            _convert(out, return_fp8)
+            return out
+        rows = codec.encode(x)  # (more ranks than one encode pass stores to, or wider rows): then a gather
+        if rows.shape[0] == 0:  # (the unused rows of a sync-free handle's fixed blocks gather row 0)
+            rows = rows.new_zeros(1, rows.shape[1])
+        send_rows = gather_rows(rows, handle.send_token)
+        self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
         out = DispatchOutput(recv_rows, codec, hidden, handle)
         _convert(out, return_fp8)
         return out
