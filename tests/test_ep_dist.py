@@ -355,7 +355,7 @@ def case_errors(ctx, seed):
     return None
 
 
-def case_sync_free(ctx, seed, payload, alignment):
+def case_sync_free(ctx, seed, payload, alignment, backend=None):
     """A sync-free dispatch (max_recv_tokens) holds the synced dispatch's bits on its valid rows: the
     expert rows and their FP8, the tables, the received tokens per source block, the combine (with
     NaN in y's rows past the experts'), a cached dispatch on its handle; check() passes."""
@@ -363,7 +363,7 @@ def case_sync_free(ctx, seed, payload, alignment):
     for n, scenario in enumerate(SCENARIOS):
         xs, idxs, ws, n_exp = make_world(seed + n, world, scenario)
         x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
-        buf = Buffer(n_exp, ctx.group, payload=payload)
+        buf = Buffer(n_exp, ctx.group, payload=payload, backend=backend)
         ref = buf.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
         block = max(t.shape[0] for t in xs) + 1
         free = buf.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment, max_recv_tokens=world * block)
@@ -407,14 +407,14 @@ def case_sync_free(ctx, seed, payload, alignment):
     return None
 
 
-def case_sync_free_overflow(ctx, seed):
+def case_sync_free_overflow(ctx, seed, backend=None):
     """Tokens past a block, rows past the capacity and bad input on one rank are reported by
     check() (ValueError naming the bound); the rank with bad input raises at the dispatch."""
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     xs, idxs, ws, n_exp = make_world(seed, world, "random")
     ell = n_exp // world
     x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
-    buf = Buffer(n_exp, ctx.group, payload="mxfp4")
+    buf = Buffer(n_exp, ctx.group, payload="mxfp4", backend=backend)
     routed = [[int(((i >= d * ell) & (i < (d + 1) * ell)).any(dim=1).sum()) for d in range(world)] for i in idxs]
     block = 2
     out = buf.dispatch(x, idx, w, max_recv_tokens=world * block)

@@ -21,11 +21,14 @@ from test_ep_dist import (
     case_expert_alignment,
     case_payload_rows,
     case_roundtrip_bf16,
+    case_sync_free,
+    case_sync_free_overflow,
     expected_order,
     make_world,
     spec_rows,
 )
 from test_ep_local import check_fused_conversion, spec_fp8_of_rows
+from test_sync_free_gpu import run_graph_case
 
 from moe_fp4.ep import Buffer
 
@@ -415,3 +418,25 @@ def test_sync_budget_with_expert_alignment_nccl(pool):
 def test_sync_budget_nccl(pool):
     res = pool.run(case_sync_budget, fresh_seed())
     assert all(r[0] == 1 for r in res), res
+
+
+def case_sync_free_graph(ctx, backend):
+    run_graph_case(Buffer(64, ctx.group, payload="mxfp4", backend=backend), 5150)
+
+
+@pytest.mark.parametrize("backend", [None, "symm"])
+@pytest.mark.parametrize("payload,alignment", [("mxfp4", 1), ("mxfp4", 32), ("bf16", 8), ("fp8", 1)])
+def test_sync_free_equals_synced_gpu(pool, backend, payload, alignment):
+    """The sync-free dispatch's valid rows, tables and combine equal the synced dispatch's (NCCL, symm)."""
+    pool.run(case_sync_free, 7300 + alignment, payload, alignment, backend)
+
+
+@pytest.mark.parametrize("backend", [None, "symm"])
+def test_sync_free_overflow_gpu(pool, backend):
+    pool.run(case_sync_free_overflow, 9400, backend)
+
+
+@pytest.mark.parametrize("backend", [None, "symm"])
+def test_sync_free_graph_gpu(pool, backend):
+    """Dispatch, FP8 conversion and combine in one CUDA graph on 2 GPUs, replayed with new routing."""
+    pool.run(case_sync_free_graph, backend)
