@@ -292,6 +292,35 @@ def case_autograd(ctx, seed, backward_payload):
     return None
 
 
+def case_autograd_sync_free(ctx, seed):
+    """Forward and gradients (x, top-k weights) through a sync-free dispatch and combine equal the
+    synced ones bit for bit; y's rows past the experts' rows hold NaN and are ignored."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world, "random", dyadic=True)
+    ell = n_exp // world
+    params = expert_params(seed, n_exp)
+    g = torch.randint(-2, 3, (xs[rank].shape[0], H), generator=torch.Generator().manual_seed(seed + rank)).float()
+    buf = Buffer(n_exp, ctx.group, payload="bf16")
+
+    def run(**bounds):
+        x = xs[rank].to(dev, torch.bfloat16).requires_grad_(True)
+        w = ws[rank].to(dev).requires_grad_(True)
+        values, out = dispatch_with_grad(buf, x, idxs[rank].to(dev), w, expert_alignment=4, **bounds)
+        y = torch.full(values.shape, float("nan"), dtype=torch.bfloat16, device=dev)
+        for e, (lo, n) in enumerate(zip(out.split_offsets.tolist(), out.split_lens.tolist())):
+            ids = torch.full((n,), rank * ell + e, dtype=torch.int64, device=dev)
+            y[lo:lo + n] = apply_expert("dyadic", params, ids, values[lo:lo + n])
+        got = combine_with_grad(buf, y, out.handle, w)
+        got.backward(g.to(dev, torch.bfloat16))
+        return got, x.grad, w.grad
+
+    synced = run()
+    free = run(max_recv_tokens=world * (max(t.shape[0] for t in xs) + 1))
+    for name, a, b in zip(("forward", "grad x", "grad topk_weights"), free, synced):
+        assert_bitwise_equal(a, b, f"{name} (sync-free)")
+    return None
+
+
 def _expect_value_error(fn, *words):
     try:
         fn()
@@ -721,6 +750,11 @@ def test_autograd_matches_single_process(pool, world, backward_payload):
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 1), ("mxfp4", 8), ("bf16", 4), ("fp8", 1), ("nvfp4", 2)])
 def test_sync_free_dispatch_equals_synced(pool, world, payload, alignment):
     pool.run(case_sync_free, 7100 + 13 * world + alignment, payload, alignment, ranks=world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_autograd_sync_free_equals_synced(pool, world):
+    pool.run(case_autograd_sync_free, 9500 + world, ranks=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])

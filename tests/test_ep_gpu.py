@@ -17,6 +17,7 @@ from test_ep_dist import (
     _to,
     case_autograd,
     case_autograd_aligned,
+    case_autograd_sync_free,
     case_errors,
     case_expert_alignment,
     case_payload_rows,
@@ -440,3 +441,7 @@ def test_sync_free_overflow_gpu(pool, backend):
 def test_sync_free_graph_gpu(pool, backend):
     """Dispatch, FP8 conversion and combine in one CUDA graph on 2 GPUs, replayed with new routing."""
     pool.run(case_sync_free_graph, backend)
+
+
+def test_autograd_sync_free_gpu(pool):
+    pool.run(case_autograd_sync_free, 9600)

@@ -18,9 +18,10 @@ from moe_fp4.ep.payloads import get_payload
 
 class _Dispatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink, alignment):
+    def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink, alignment,
+                bounds):
         out = buffer.dispatch(x.detach(), topk_idx, topk_weights, handle=handle, payload=payload,
-                              expert_alignment=alignment)
+                              expert_alignment=alignment, **bounds)
         sink.append(out)
         ctx.buffer, ctx.handle, ctx.backward_payload, ctx.x_dtype = buffer, out.handle, backward_payload, x.dtype
         return out.values(dtype)
@@ -28,13 +29,14 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gx = ctx.buffer.combine(grad.contiguous(), ctx.handle, weighted=False, payload=ctx.backward_payload)
-        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None, None
 
 
 def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                        topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
                        payload=None, backward_payload="bf16", dtype: torch.dtype = torch.bfloat16,
-                       expert_alignment: int | None = None) -> tuple[torch.Tensor, DispatchOutput]:
+                       expert_alignment: int | None = None, max_recv_tokens: int | None = None,
+                       max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchOutput]:
     """Differentiable dispatch.
 
     x: float [T, H] (requires grad); topk_idx int64 [T, k]; topk_weights float [T, k] or None (carried
@@ -42,11 +44,15 @@ def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor |
     Returns (values ``dtype`` [N, H]: the received rows decoded, grouped by local expert, each
     expert's rows starting on a multiple of ``expert_alignment`` (see ``Buffer.dispatch``); the
     DispatchOutput with the rows, splits and handle). The gradient of values flows back to x
-    through a combine with ``backward_payload`` (gap rows' gradients are ignored)."""
+    through a combine with ``backward_payload`` (gap rows' gradients are ignored). max_recv_tokens /
+    max_recv_rows: a sync-free dispatch (see ``Buffer.dispatch``; values then has the capacity's
+    rows, those past the experts' rows unspecified, and their gradients are ignored)."""
     get_payload(backward_payload)
     sink: list[DispatchOutput] = []
+    bounds = {} if max_recv_tokens is None and max_recv_rows is None else dict(
+        max_recv_tokens=max_recv_tokens, max_recv_rows=max_recv_rows)
     values = _Dispatch.apply(x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink,
-                             expert_alignment)
+                             expert_alignment, bounds)
     return values, sink[0]
 
 
