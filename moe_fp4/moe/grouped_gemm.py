@@ -1,11 +1,11 @@
 """The experts' FP8 grouped GEMM: activations in FP8 1x128 (the dispatch's ``return_fp8`` rows),
 weights in FP8 128x128 blocks, BF16 out.
 
-``grouped_gemm_fp8`` here is the reference: each group's operands dequantized through the spec
+``grouped_gemm_fp8_reference`` is the reference: each group's operands dequantized through the spec
 (``formats.dequantize_fp8_blockwise``: E4M3 value times its power-of-two scale, exact in float32),
-one float32 matrix product per group, rounded to bfloat16. It runs on CPU and GPU; it reads the
-group boundaries on the host (one synchronisation on a GPU). The native grouped GEMM on Hopper is
-measured against it.
+one float32 matrix product per group, rounded to bfloat16; it reads the group boundaries on the
+host. ``grouped_gemm_fp8`` runs the Triton kernel of ``_triton_grouped_gemm`` on CUDA (tensor-core
+products per 128-wide K block, each scaled and added in float32), the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
+from moe_fp4.moe import _triton_grouped_gemm
 
 FP8 = torch.float8_e4m3fn
 BLOCK = formats.FP8_GROUP  # 128: the activations' 1x128 groups and the weights' 128x128 tiles
@@ -66,7 +67,7 @@ def group_bounds(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: in
 
 
 def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
-                     split_offsets: torch.Tensor, split_lens: torch.Tensor) -> torch.Tensor:
+                     split_offsets: torch.Tensor, split_lens: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     """out[r] = a[r] @ w[g]^T for the rows r of group g: bfloat16 [M, N].
 
     a: float8_e4m3fn [M, K] with a_scales float32 [M, K/128] (power-of-two scales per 1x128 group,
@@ -74,7 +75,27 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w
       float32 [G, N/128, K/128] (per 128x128 tile); group g owns rows [split_offsets[g],
       split_offsets[g] + split_lens[g]) (int64 [G] on a's device: ragged, empty and gapped groups;
       groups may not overlap); rows of no group come out zero. K and N multiples of 128.
-    Each group: both operands dequantized exactly, a float32 product, rounded to bfloat16."""
+    validate: read the splits on the host and raise ValueError for groups outside [0, M) or
+      overlapping (one host synchronisation on a GPU); False skips that (a sync-free dispatch's
+      splits, a CUDA graph): the CUDA kernel then keeps every access inside a, and the result for
+      invalid splits is unspecified.
+    On CUDA with Triton: the Triton kernel (float32 sums per 128-wide K block, each scaled and added
+    in float32; within the FP8 tensor cores' accumulation of the reference); elsewhere the reference."""
+    m, k, g, n = check_grouped_gemm_args(a, a_scales, w, w_scales, split_offsets, split_lens)
+    if validate:
+        group_bounds(split_offsets, split_lens, m)
+    if _triton_grouped_gemm.available(a):
+        for name, t in (("a", a), ("a_scales", a_scales), ("w", w), ("w_scales", w_scales)):
+            if not t.is_contiguous():
+                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
+        return _triton_grouped_gemm.grouped_gemm_fp8(a, a_scales, w, w_scales, split_offsets, split_lens)
+    return grouped_gemm_fp8_reference(a, a_scales, w, w_scales, split_offsets, split_lens)
+
+
+def grouped_gemm_fp8_reference(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
+                               split_offsets: torch.Tensor, split_lens: torch.Tensor) -> torch.Tensor:
+    """``grouped_gemm_fp8`` by the spec: per group, both operands dequantized exactly, one float32
+    product, rounded to bfloat16 (any device; the splits are read on the host)."""
     m, k, g, n = check_grouped_gemm_args(a, a_scales, w, w_scales, split_offsets, split_lens)
     out = torch.zeros(m, n, dtype=torch.bfloat16, device=a.device)
     for e, (lo, hi) in enumerate(group_bounds(split_offsets, split_lens, m)):
@@ -86,4 +107,4 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w
     return out
 
 
-__all__ = ["check_grouped_gemm_args", "group_bounds", "grouped_gemm_fp8"]
+__all__ = ["check_grouped_gemm_args", "group_bounds", "grouped_gemm_fp8", "grouped_gemm_fp8_reference"]
