@@ -560,14 +560,19 @@ class Buffer:
         """Whether the payload moves through the direct (symmetric memory) path."""
         return getattr(self.backend, "direct", False) and self.backend.usable(t)
 
-    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec, alignment: int = 1) -> DispatchHandle:
-        w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
-        local_error = None
+    def _input_error(self, x, topk_idx, topk_weights, codec: PayloadCodec) -> ValueError | None:
+        """The ValueError this rank's dispatch inputs raise, or None (kept, not raised: the peers
+        learn of it through the exchange first)."""
         try:
             self._check_x(x, codec)
             self._check_routing(x, topk_idx, topk_weights)
         except ValueError as e:
-            local_error = e
+            return e
+        return None
+
+    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec, alignment: int = 1) -> DispatchHandle:
+        w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
+        local_error = self._input_error(x, topk_idx, topk_weights, codec)
         # One count row per destination rank (routing.send_layout), of a width that does not depend on
         # k, so that ranks that disagree (on k, say) still exchange cleanly and all raise the same
         # ValueError; a rank that rejected its inputs sends rows with only the error flag set.
@@ -632,16 +637,12 @@ class Buffer:
         (x [T, H], topk_idx [T, k]) are readable, and raises after them; otherwise it raises at once."""
         w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
         block = max_recv_tokens // w
-        local_error = None
-        try:
-            self._check_x(x, codec)
-            self._check_routing(x, topk_idx, topk_weights)
-        except ValueError as e:
-            local_error = e
+        local_error = self._input_error(x, topk_idx, topk_weights, codec)
+        if local_error is not None:
             readable = isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(topk_idx, torch.Tensor) \
                 and topk_idx.dim() == 2 and 1 <= topk_idx.shape[1] <= MAX_TOPK
             if not readable:
-                raise
+                raise local_error
         k, hidden = topk_idx.shape[1], x.shape[1]
         tokens = x.shape[0] if local_error is None else 0
         header = [hidden, k, n_exp, w, PAYLOAD_IDS.get(codec.name, -1), tokens]
