@@ -5,7 +5,8 @@
 # breakdown of the mxfp4 path. Logs go to $OUT (default /tmp/moe_fp4_dispatch); a summary is printed last.
 #   bash benchmarks/run_gpu_dispatch.sh
 # Environment: TOKENS (tokens per rank, comma separated), FORMATS, BACKENDS, TIMING (host or device),
-# ITERS, HF=0 (skip the transformers tests), PROFILE=1, and the *_S time limits of each step.
+# ITERS, HF=0 (skip the transformers tests), PROFILE=1, DEEPEP=1 (DeepEP's rows in the same run: a
+# deep_ep wheel built by patches/deepep/build.sh must be installed), and the *_S time limits of each step.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -26,8 +27,9 @@ echo "build: $build_rc ($((SECONDS - t0)) s); $native"
 
 # the native row kernels of the dispatch (BF16ToFP4Row to one and to several destinations, row push, the
 # nvfp4 rows, the receive-side expansion to expert rows)
-timeout -s INT -k 10 "${KTESTS_S:-90}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter or nvfp4 or expand}" \
-  tests/test_kernels_gpu.py tests/test_nvfp4_rows.py tests/test_expand_rows.py > "$OUT/tests_kernels.log" 2>&1
+timeout -s INT -k 10 "${KTESTS_S:-90}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter or nvfp4 or expand or routing or sync_free}" \
+  tests/test_kernels_gpu.py tests/test_nvfp4_rows.py tests/test_expand_rows.py tests/test_routing.py \
+  tests/test_sync_free_gpu.py > "$OUT/tests_kernels.log" 2>&1
 ktests_rc=$?
 echo "kernel tests: rc=$ktests_rc ($((SECONDS - t0)) s)"
 
@@ -46,7 +48,7 @@ if [ "${HF:-1}" = 1 ]; then
 fi
 
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
+  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} $([ "${DEEPEP:-0}" = 1 ] && echo --deepep) --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"

@@ -65,6 +65,9 @@ def _parse(argv):
     p.add_argument("--timing", choices=("host", "device"), default="host", help="host (default): each call starts "
                    "on an idle GPU, its host work counted; device: each call's work is queued behind a GPU sleep, "
                    "hiding host work as a training step running ahead of the GPU does (also for the raw a2a)")
+    p.add_argument("--deepep", action="store_true", help="also time DeepEP's intranode dispatch and combine "
+                   "(deep_ep.Buffer; bf16 and fp8 payloads) in the same run (NCCL group on GPUs of one host; "
+                   "patches/deepep builds it)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available() and a.backend != "gloo"
@@ -82,6 +85,13 @@ def _parse(argv):
     for f in a.formats:
         if f not in FORMATS:
             p.error(f"--formats: unknown format {f!r}")
+    if a.deepep:
+        if a.backend != "nccl":
+            p.error("--deepep: needs GPUs (an NCCL process group)")
+        try:
+            import deep_ep  # noqa: F401
+        except ImportError as e:
+            p.error(f"--deepep: the deep_ep package does not import ({e}); build it with patches/deepep/build.sh")
     return a
 
 
@@ -185,6 +195,42 @@ def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms) -> dict:
                 link=a2a_ms / disp_ms, comb_us=comb_ms * 1e3, e2e_us=e2e_ms * 1e3, tok_us=tok_ms * 1e3)
 
 
+def _measure_deepep(timer, ep_buf, x, idx, w, fmt, num_experts, a2a_ms) -> dict:
+    """DeepEP's intranode dispatch of x (bf16, or fp8 as DeepEP takes it: E4M3 [T, H] with FP32 scales
+    per 128) as the table's columns: full (layout + dispatch), free (``num_worst_tokens``), cached
+    (the handle), combine (bf16 rows back), tok (fp8: the dispatch's output is already FP8 per
+    received token; bf16: not applicable)."""
+    from moe_fp4 import formats
+
+    if fmt == "fp8":
+        data, scales = formats.quantize_fp8_blockwise(x, block=(1, 128))
+        payload = (data, scales)
+        row_bytes = x.shape[1] + 4 * (x.shape[1] // 128)
+    else:
+        payload = x
+        row_bytes = 2 * x.shape[1]
+
+    def full(worst=0):
+        per_rank, per_rdma, per_expert, in_rank, _ = ep_buf.get_dispatch_layout(idx, num_experts)
+        return ep_buf.dispatch(payload, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                               num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                               num_tokens_per_expert=per_expert, num_worst_tokens=worst)
+
+    recv_x, _, _, _, handle, _ = full()
+    per_rank = ep_buf.get_dispatch_layout(idx, num_experts)[0]
+    wire = int(per_rank.sum()) * row_bytes
+    full_ms = timer(full)
+    free_ms = timer(lambda: full(ep_buf.group_size * x.shape[0]))
+    disp_ms = timer(lambda: ep_buf.dispatch(payload, handle=handle))
+    back = recv_x if fmt == "bf16" else formats.dequantize_fp8_blockwise(*recv_x).to(torch.bfloat16)
+    comb_ms = timer(lambda: ep_buf.combine(back, handle))
+    nan = float("nan")
+    return dict(row_bytes=row_bytes, wire_mb=wire / 1e6, a2a_us=a2a_ms * 1e3, a2a_gbs=wire / (a2a_ms * 1e-3) / 1e9,
+                layout_us=full_ms * 1e3, free_us=free_ms * 1e3, disp_us=disp_ms * 1e3,
+                gbs=wire / (disp_ms * 1e-3) / 1e9, link=a2a_ms / disp_ms, comb_us=comb_ms * 1e3, e2e_us=nan,
+                tok_us=disp_ms * 1e3 if fmt == "fp8" else nan)
+
+
 def _run(args) -> list[dict]:
     import torch.distributed as dist
 
@@ -206,6 +252,11 @@ def _run(args) -> list[dict]:
             bufs[b] = Buffer(args.experts, payload="bf16", backend=backend)
         else:
             bufs[b] = plain
+    ep_buf = None
+    if args.deepep:
+        import deep_ep
+
+        ep_buf = deep_ep.Buffer(dist.group.WORLD, int(2e9), 0)
     rows_out = []
     for t in args.tokens:
         idx, w = _routing(t, args.topk, args.experts, device, seed=1234 + rank)
@@ -213,6 +264,9 @@ def _run(args) -> list[dict]:
         for name in args.formats:
             codec = get_payload(name)
             a2a_ms = _raw_a2a(timer, dist, plain, x, idx, w, codec, args.hidden, device)
+            if ep_buf is not None and name in ("bf16", "fp8"):
+                r = _measure_deepep(timer, ep_buf, x, idx, w, name, args.experts, a2a_ms)
+                rows_out.append(dict(tokens=t, fmt=name, backend="deepep", **r))
             for b, buf in bufs.items():
                 r = _measure(timer, buf, x, idx, w, codec, args.hidden, a2a_ms)
                 rows_out.append(dict(tokens=t, fmt=name, backend=b, **r))
@@ -385,6 +439,13 @@ def goals(rows: list[dict]) -> list[str]:
             out.append(f"  full mxfp4 dispatch: {r['layout_us']:.0f} us synced, {r['free_us']:.0f} us sync-free, "
                        f"cached {r['disp_us']:.0f} us (GPU goal <= 1.3x cached + 50 = {bound:.0f} us: "
                        f"{'met' if best <= bound else 'NOT met'})")
+        deepep = next((r for r in rows if r["tokens"] == t and r.get("backend") == "deepep" and r["fmt"] == "fp8"),
+                      None)
+        if "mxfp4" in ref and deepep is not None:
+            ours = min(ref["mxfp4"]["layout_us"], ref["mxfp4"]["free_us"])
+            ratio = ours / deepep["layout_us"]
+            out.append(f"  full mxfp4 dispatch / DeepEP's full fp8 dispatch ({deepep['layout_us']:.0f} us): "
+                       f"{ratio:.2f}x (GPU goal <= 0.5x: {'met' if ratio <= 0.5 else 'NOT met'})")
         links = ", ".join(f"{f} {100 * r['link']:.0f}%" for f, r in ref.items())
         ok = all(r["link"] >= 0.85 for r in ref.values())
         out.append(f"  link use (raw NCCL a2a time / cached dispatch time): {links} "
