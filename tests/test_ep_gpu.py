@@ -114,26 +114,25 @@ def case_sync_budget(ctx, seed, payload="bf16", alignment=1):
     return len(syncs), tuple(combined.shape)
 
 
-def _symm_buffer(ctx, n_exp, payload, chunks, push=False, fp8_pull=False):
-    """chunks: pull-dispatch slices; push=True: the push dispatch (needs chunks == 1); fp8_pull: a
-    dispatch with return_fp8 pulls and converts out of the senders' buffers (``pull_rows_fp8``)."""
+def _symm_buffer(ctx, n_exp, payload, chunks, push=False):
+    """chunks: pull-dispatch slices; push=True: the push dispatch (needs chunks == 1)."""
     from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-    backend = SymmetricMemoryBackend(ctx.group, chunks=chunks, push=push, fp8_pull=fp8_pull)
+    backend = SymmetricMemoryBackend(ctx.group, chunks=chunks, push=push)
     return Buffer(n_exp, ctx.group, payload=payload, backend=backend)
 
 
 def _mode(mode):
-    """'push' -> (1, True, False); 'fp8pull' -> (1, True, True); 'pullN' -> (N, False, False)."""
-    if mode in ("push", "fp8pull"):
-        return 1, True, mode == "fp8pull"
-    return int(mode[4:]), False, False
+    """'push' -> (1, True); 'pullN' -> (N, False)."""
+    if mode == "push":
+        return 1, True
+    return int(mode[4:]), False
 
 
 def _check_mode(buf, mode):
     """A push dispatch that could not address the peers' buffers falls back to pulling (with a
     warning): the push cases must really have pushed."""
-    want = mode in ("push", "fp8pull")
+    want = mode == "push"
     assert buf.backend.push == want, f"{mode}: the backend's push is {buf.backend.push} after a dispatch"
 
 
@@ -219,21 +218,20 @@ def case_symm_large(ctx, seed, mode):
     n_recv = got.handle.num_recv_tokens
     tok_d, tok_s = spec_fp8_of_rows(got.recv_rows, hidden, torch.arange(n_recv, device=dev))
     be = symm.backend
-    saved = (be.overlap_fp8, be.fp8_chunks, be.push_blocks, be.fp8_pull)
-    for overlap, chunks, blocks, pull in ((True, 1, None, False), (False, 1, None, False), (True, 3, 5, False),
-                                          (True, 2, None, False), (True, 1, None, True)):
-        be.overlap_fp8, be.fp8_chunks, be.push_blocks, be.fp8_pull = overlap, chunks, blocks, pull
-        what = f"overlap={overlap}, {chunks} slices, push_blocks={blocks}, pull={pull}"
-        for _ in range(2):  # the second time with the slices' cached slot tables
+    saved = be.overlap_fp8
+    for overlap in (True, False):
+        be.overlap_fp8 = overlap
+        what = f"overlap={overlap}"
+        for _ in range(2):  # the second time with the handle's cached plan
             tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
             assert tok.fp8 is None
             assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, {what}")
             assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, {what}")
             assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, {what}")
             _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, {what}")
-    be.overlap_fp8, be.fp8_chunks, be.push_blocks, be.fp8_pull = saved
-    # a push dispatch and a combine right after the pulling one reuse the buffer behind the barriers
-    _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "push after pull")
+    be.overlap_fp8 = saved
+    # a dispatch and a combine right after the others reuse the buffer behind the barriers
+    _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "push after the others")
     y = torch.randn(got.handle.num_rows, hidden, generator=g).to(dev, torch.bfloat16)
     want = Buffer(n_exp, ctx.group).combine(y, ref.handle)
     assert_bitwise_equal(symm.combine(y, got.handle), want, "combine hidden 7168")
@@ -257,16 +255,11 @@ def case_symm_sync_budget(ctx, seed, mode):
     try:
         again = buf.dispatch(x, handle=out.handle, return_fp8=True)
         combined = buf.combine(y, out.handle)
-        buf.backend.fp8_chunks, buf.backend.push_blocks = 2, 8  # sliced, its plan built on first use
-        sliced = buf.dispatch(x, handle=out.handle, return_fp8="tokens")
-        buf.backend.fp8_chunks, buf.backend.fp8_pull = 1, True  # pulled, its tables built on first use
-        pulled = buf.dispatch(x, handle=out.handle, return_fp8=True)
+        tokens = buf.dispatch(x, handle=out.handle, return_fp8="tokens")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_bitwise_equal(again.rows, out.rows, "cached dispatch")
-    assert_bitwise_equal(sliced.recv_rows, out.recv_rows, "cached sliced dispatch")
-    assert_bitwise_equal(pulled.recv_rows, out.recv_rows, "cached pulled dispatch")
-    assert_bitwise_equal(pulled.fp8[0], out.fp8[0], "cached pulled dispatch, fp8")
+    assert_bitwise_equal(tokens.recv_rows, out.recv_rows, "cached dispatch, FP8 per token")
     return tuple(combined.shape)
 
 
@@ -306,14 +299,14 @@ def case_symm_settings_must_agree(ctx, seed, setting):
     from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
     odd = ctx.rank == ctx.world_size - 1
-    kwargs = {"push": not odd} if setting == "push" else {"fp8_pull": odd}
+    kwargs = {"push": not odd} if setting == "push" else {"overlap_fp8": not odd}
     buf = Buffer(n_exp, ctx.group, payload="mxfp4", backend=SymmetricMemoryBackend(ctx.group, **kwargs))
     with pytest.raises(ValueError, match=rf"different settings: {setting} \(0 to 1\)"):
         buf.dispatch(x, idx, w, return_fp8=True)
     return setting
 
 
-@pytest.mark.parametrize("setting", ["push", "fp8_pull"])
+@pytest.mark.parametrize("setting", ["push", "overlap_fp8"])
 def test_symm_settings_must_agree(pool, setting):
     pool.run(case_symm_settings_must_agree, fresh_seed(), setting)
 
@@ -333,19 +326,19 @@ def test_symm_push_falls_back_on_every_rank_together(pool):
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
-@pytest.mark.parametrize("mode", ["push", "fp8pull", "pull1", "pull4"])
+@pytest.mark.parametrize("mode", ["push", "pull1", "pull4"])
 def test_symm_matches_nccl(pool, payload, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "random")
 
 
-@pytest.mark.parametrize("mode", ["push", "fp8pull", "pull3"])
+@pytest.mark.parametrize("mode", ["push", "pull3"])
 @pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
 def test_symm_matches_nccl_ragged(pool, scenario, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", mode, scenario)
 
 
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("bf16", 16)])
-@pytest.mark.parametrize("mode", ["push", "fp8pull", "pull3"])
+@pytest.mark.parametrize("mode", ["push", "pull3"])
 def test_symm_matches_nccl_aligned(pool, payload, alignment, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "duplicates", alignment)
 

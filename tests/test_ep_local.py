@@ -697,7 +697,7 @@ class _FakePeerHandle(_FakeSymmHandle):
         return torch.zeros(shape, dtype=dtype)
 
 
-_SYMM_SETTINGS = dict(push=True, chunks=1, overlap_fp8=True, fp8_chunks=1, fp8_pull=False)
+_SYMM_SETTINGS = dict(push=True, chunks=1, overlap_fp8=True)
 
 
 def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
@@ -745,8 +745,7 @@ def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, p
 
 
 @pytest.mark.parametrize("name, value, shown", [
-    ("fp8_pull", True, "fp8_pull (0 to 1)"), ("push", False, "push (0 to 1)"), ("fp8_chunks", 3, "fp8_chunks (1 to 3)"),
-    ("chunks", 4, "chunks (1 to 4)"), ("overlap_fp8", False, "overlap_fp8 (0 to 1)")])
+    ("push", False, "push (0 to 1)"), ("chunks", 4, "chunks (1 to 4)"), ("overlap_fp8", False, "overlap_fp8 (0 to 1)")])
 def test_symm_backend_settings_must_agree(monkeypatch, name, value, shown):
     """A peer built with another path setting: ValueError naming it at the first allocation (the
     ranks would otherwise lay out each other's buffers differently)."""

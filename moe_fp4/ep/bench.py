@@ -381,17 +381,15 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     for blocks in (sms, 2 * sms, 4 * sms, None):
         res.append((f"push to the peer only, max_blocks={blocks}",
                     timer(lambda blocks=blocks: codec.encode_push(x, dests, peer_only, max_blocks=blocks))))
-    saved = (b.overlap_fp8, b.fp8_chunks, b.push_blocks, b.fp8_pull)
-    for overlap, chunks, blocks, pull in ((False, 1, None, False), (True, 1, None, False), (True, 1, None, True),
-                                          (True, 2, 2 * sms, False)):
-        b.overlap_fp8, b.fp8_chunks, b.push_blocks, b.fp8_pull = overlap, chunks, blocks, pull
-        when = ("pulled out of the senders' buffers" if pull else
-                f"on the way, {chunks} slices, push_blocks={blocks}" if overlap else "after the transfer")
+    saved = b.overlap_fp8
+    for overlap in (False, True):
+        b.overlap_fp8 = overlap
+        when = "on the way" if overlap else "after the transfer"
         res.append((f"e2e mxfp4 to expert rows, converted {when}",
                     timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
         res.append((f"tok mxfp4 per token, converted {when}",
                     timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
-    b.overlap_fp8, b.fp8_chunks, b.push_blocks, b.fp8_pull = saved
+    b.overlap_fp8 = saved
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",

@@ -39,7 +39,6 @@ the backend is dropped (a peer may still be reading them).
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
@@ -70,24 +69,16 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       rank's own rows inside the push kernel and the peers' rows straight out of the buffer as soon as
       they have landed (True, the default, for payloads that convert in place: mxfp4 with the native
       ops; ``push_rows_fp8``), or convert the received rows after the transfer (False);
-    fp8_chunks: token slices of that dispatch: the peers' rows of slice c are converted while slice
-      c + 1 is pushed (1, the default: the peers' rows after the whole push; 2-8 slices measured
-      slower on 2 H200 at 4096-16384 tokens per rank, benchmarks/results/dispatch.md Run F);
-    push_blocks: thread blocks of the pushes of slices 1 and on (None: fill the GPU), leaving SM slots
-      to the conversion beside them;
-    fp8_pull: such a dispatch pulls instead (``pull_rows_fp8``): every rank encodes into its own
-      buffer and converts its received rows straight out of the senders' buffers (None:
-      MOE_FP4_FP8_PULL=1 turns it on, else off); only where the conversion on the way applies (push,
-      overlap_fp8, chunks 1; fp8_chunks and push_blocks do not apply to it).
-    Every rank of the group must be built with the same path settings (push, chunks, overlap_fp8,
-    fp8_chunks, fp8_pull: checked at the first allocation, ValueError otherwise) and pass the same
-    ``return_fp8`` to each dispatch: the paths lay out the buffers differently."""
+    Every rank of the group must be built with the same path settings (push, chunks, overlap_fp8:
+    checked at the first allocation, ValueError otherwise) and pass the same ``return_fp8`` to each
+    dispatch: the paths lay out the buffers differently. (Converting the peers' rows slice by slice
+    behind the next slice's push, and pulling the rows to convert out of the senders' buffers,
+    measured slower: benchmarks/results/dispatch.md, Run F and 2026-11-25.)"""
 
     direct = True
 
     def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000,
-                 overlap_fp8: bool = True, fp8_chunks: int = 1, push_blocks: int | None = None,
-                 fp8_pull: bool | None = None):
+                 overlap_fp8: bool = True):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -102,13 +93,6 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         self.push = bool(push)
         self.timeout_ms = timeout_ms
         self.overlap_fp8 = bool(overlap_fp8)
-        if isinstance(fp8_chunks, bool) or not isinstance(fp8_chunks, int) or not 1 <= fp8_chunks <= 16:
-            raise ValueError(f"fp8_chunks: expected an int in [1, 16], got {fp8_chunks!r}")
-        if push_blocks is not None and (isinstance(push_blocks, bool) or not isinstance(push_blocks, int)
-                                        or push_blocks < 1):
-            raise ValueError(f"push_blocks: expected None or a positive int, got {push_blocks!r}")
-        self.fp8_chunks, self.push_blocks = fp8_chunks, push_blocks
-        self.fp8_pull = os.environ.get("MOE_FP4_FP8_PULL", "0") == "1" if fp8_pull is None else bool(fp8_pull)
         self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
         self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
@@ -155,7 +139,7 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
             self._agree_at_first_allocation()
 
     # Settings that choose a dispatch's path and its barriers: every rank must take the same path.
-    _SHARED_SETTINGS = ("push", "chunks", "overlap_fp8", "fp8_chunks", "fp8_pull")
+    _SHARED_SETTINGS = ("push", "chunks", "overlap_fp8")
 
     def _agree_at_first_allocation(self) -> None:
         """Collective, at the first allocation: the ranks check that they were built with the same
@@ -372,23 +356,20 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     """The push dispatch with the received rows converted to FP8 1x128 on the way: x [T, H] ->
     (received rows uint8 [n_recv, row_bytes] as ``push_rows`` returns them, (float8_e4m3fn [R, H],
     float32 [R, H/128])) with R = n_recv (``per_token``: row j is received row j) or the handle's
-    expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``);
-    (rows, None) when the ranks agreed to pull instead (or chunks > 1): the caller converts then.
+    expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``;
+    handle.alloc_rows of them); (rows, None) when the ranks agreed to pull instead (or chunks > 1):
+    the caller converts then.
 
-    The tokens go in ``backend.fp8_chunks`` slices (chunk_bounds). For each slice one kernel encodes
-    its tokens once and stores their rows to every receiver; a row this rank sends itself is also
-    converted, from the row staged in shared memory, to its FP8 rows while the stores to the peers
-    are in flight (``codec.encode_push_expand``). Once every rank has pushed slice c (a barrier on the
-    side stream), the peers' rows of slice c are converted straight out of this rank's buffer and
-    copied to the received rows in one pass, on the high-priority side stream, while slice c + 1 is
-    pushed with at most ``backend.push_blocks`` thread blocks (so the conversion finds free SM
-    slots). Only for codecs that convert in place (``expands_in_place``); the bits equal converting
-    after the transfer."""
+    One kernel encodes each token once and stores its row to every receiver; a row this rank sends
+    itself is also converted, from the row staged in shared memory, to its FP8 rows while the stores
+    to the peers are in flight (``codec.encode_push_expand``). Once every rank has pushed (a barrier
+    on the side stream), the peers' rows are converted straight out of this rank's buffer and copied
+    to the received rows in one pass, on the high-priority side stream. Only for codecs that convert
+    in place (``expands_in_place``); the bits equal converting after the transfer."""
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
     width = codec.row_bytes(hidden)
-    chunks = backend.fp8_chunks
-    plan = direct_plan(handle, chunks)
+    plan = direct_plan(handle, 1)
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     if not backend.push or backend.chunks != 1:  # (the ranks may have agreed at the first allocation to pull)
@@ -399,84 +380,21 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     hi = lo + handle.recv_counts[me]
     blocks = [(a, b) for a, b in ((0, lo), (hi, n)) if b > a]  # the peers' rows in the received order
     dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
-    table = plan["peer_rank_table"]
     own = backend.staging(n, width)
     main, side = torch.cuda.current_stream(backend.device), backend.side_stream
     backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
     side.wait_stream(main)
-    for c, (t0, t1) in enumerate(chunk_bounds(x.shape[0], chunks)):
-        if t1 > t0:
-            codec.encode_push_expand(x[t0:t1], dests, table[t0:t1], me, slots, out,
-                                     max_blocks=backend.push_blocks if c else None)
-        pushed = torch.cuda.Event()
-        pushed.record(main)
-        with torch.cuda.stream(side):
-            side.wait_event(pushed)
-            backend.barrier(1 + c)  # every rank has pushed slice c
-            mine = slots if chunks == 1 else _slice_slots(plan, slots, per_token, c)
-            for a, b in blocks:  # the peers' rows of slice c: converted and copied out in one pass
-                codec.expand_fp8_blockwise_into(own[a:b], hidden, mine[a:b], out, copy_to=recv[a:b])
+    if x.shape[0]:
+        codec.encode_push_expand(x, dests, plan["peer_rank_table"], me, slots, out)
+    pushed = torch.cuda.Event()
+    pushed.record(main)
+    with torch.cuda.stream(side):
+        side.wait_event(pushed)
+        backend.barrier(1)  # every rank has pushed
+        for a, b in blocks:  # the peers' rows: converted and copied out in one pass
+            codec.expand_fp8_blockwise_into(own[a:b], hidden, slots[a:b], out, copy_to=recv[a:b])
     main.wait_stream(side)
     return recv, out
-
-
-def pull_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, per_token: bool):
-    """The dispatch to FP8 by pulling: the same results as ``push_rows_fp8``. Every rank encodes all its
-    tokens into its own buffer (one local pass); each rank converts the rows it receives straight out
-    of the senders' buffers, the peers' over NVLink on the side stream after a barrier and its own
-    beside them on the calling stream (``expand_fp8_blockwise_into`` reading a source's whole
-    buffer with a slot table indexed by the source's tokens: tokens not sent here are skipped without
-    being read), copying each row to its received row in the same pass; the own rows do not wait for
-    the barrier. The next dispatch's first barrier keeps the buffers until every peer has read them.
-    (rows, None) when the ranks agreed at the first allocation that some cannot map their peers'
-    buffers: the caller converts then."""
-    w, me = handle.world_size, handle.rank
-    hidden = x.shape[1]
-    width = codec.row_bytes(hidden)
-    plan = direct_plan(handle, 1)
-    backend.ensure_capacity(max(handle.peer_num_tokens) * width)  # the same size on every rank
-    if not backend.push:  # the ranks agreed at the first allocation that some cannot map peers' buffers
-        return dispatch_rows(backend, x, codec, handle), None  # (the caller converts)
-    recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
-    by_source = _source_tables(plan, handle, slots, per_token)
-    main, side = torch.cuda.current_stream(backend.device), backend.side_stream
-    backend.barrier(0)  # every peer has finished reading this rank's buffer
-    codec.encode_into(x, backend.staging(x.shape[0], width))
-    side.wait_stream(main)
-    with torch.cuda.stream(side):  # the peers' rows over NVLink
-        backend.barrier(1)  # every rank's rows are in its buffer (the own rows need not wait for it)
-        for s in range(w):
-            if s != me and handle.recv_counts[s]:
-                src_slots, src_rows = by_source[s]
-                codec.expand_fp8_blockwise_into(backend.peer_rows(s, handle.peer_num_tokens[s], width), hidden,
-                                                src_slots, out, copy_to=recv, copy_rows=src_rows)
-    if handle.recv_counts[me]:  # this rank's own rows, beside them
-        src_slots, src_rows = by_source[me]
-        codec.expand_fp8_blockwise_into(backend.staging(x.shape[0], width), hidden, src_slots, out, copy_to=recv,
-                                        copy_rows=src_rows)
-    main.wait_stream(side)
-    return recv, out
-
-
-def _source_tables(plan, handle, slots, per_token: bool) -> dict:
-    """Per source rank s with rows for this rank: (slot table int64 [T_s, k] indexed by s's tokens,
-    received row int64 [T_s] of each of s's tokens; -1 where s does not send the token here), cached
-    on the plan (built by scatters: no host synchronisation)."""
-    key = ("fp8_source_tables", per_token)
-    if key not in plan:
-        tables = {}
-        for s, (start, cnt) in enumerate(zip(start_offsets(handle.recv_counts), handle.recv_counts)):
-            if not cnt:
-                continue
-            tokens = handle.recv_src_token[start:start + cnt]
-            t_s = handle.peer_num_tokens[s]
-            src_slots = torch.full((t_s, slots.shape[1]), -1, dtype=torch.int64, device=slots.device)
-            src_slots[tokens] = slots[start:start + cnt]
-            src_rows = torch.full((t_s,), -1, dtype=torch.int64, device=slots.device)
-            src_rows[tokens] = torch.arange(start, start + cnt, device=slots.device)
-            tables[s] = (src_slots, src_rows)
-        plan[key] = tables
-    return plan[key]
 
 
 def _fp8_outputs(backend, plan, handle, hidden: int, width: int, per_token: bool):
@@ -485,19 +403,10 @@ def _fp8_outputs(backend, plan, handle, hidden: int, width: int, per_token: bool
     n = handle.num_recv_tokens
     recv = torch.empty(n, width, dtype=torch.uint8, device=backend.device)
     slots = plan["token_slots"] if per_token else handle.slot_table
-    num_out = n if per_token else handle.num_rows
+    num_out = n if per_token else handle.alloc_rows
     out = (torch.empty(num_out, hidden, dtype=torch.float8_e4m3fn, device=backend.device),
            torch.empty(num_out, hidden // FP8_GROUP, dtype=torch.float32, device=backend.device))
     return recv, slots, out
-
-
-def _slice_slots(plan, slots, per_token: bool, c: int) -> torch.Tensor:
-    """slots with the rows of other token slices set to -1 (cached on the plan): a conversion with it
-    touches (converts and copies) only the received rows of slice c."""
-    key = ("fp8_slice_slots", per_token, c)
-    if key not in plan:
-        plan[key] = torch.where((plan["recv_chunk"] == c).unsqueeze(1), slots, -1).contiguous()
-    return plan[key]
 
 
 def fused_wire(codec):
@@ -563,5 +472,5 @@ def _pipelined_bf16_combine(backend, y, handle, weights, staging, plan) -> torch
     return out
 
 
-__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows",
-           "pull_rows_fp8", "push_rows", "push_rows_fp8", "recv_rows_per_rank"]
+__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows", "push_rows",
+           "push_rows_fp8", "recv_rows_per_rank"]
