@@ -18,7 +18,6 @@ from _compare import assert_bitwise_equal
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
 from moe_fp4.ep.backends import TorchDistributedBackend
-from moe_fp4.ep.symmetric import chunk_bounds
 
 H = 128  # a multiple of 128 so that every payload (fp8 too) applies
 SCENARIOS = ("random", "empty_rank", "one_expert", "k_gt_local", "duplicates", "no_route")
@@ -628,10 +627,10 @@ def case_direct_plan(ctx, seed, scenario):
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
     h = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w).handle
-    plan = direct_plan(h, 3)
+    plan = direct_plan(h)
     return dict(tokens=h.peer_num_tokens, counts=h.count_matrix, send=h.send_counts, recv=h.recv_counts,
                 src_token=h.recv_src_token.tolist(), send_token=h.send_token.tolist(),
-                recv_rank=plan["recv_rank"].tolist(), chunk=plan["recv_chunk"].tolist(),
+                recv_rank=plan["recv_rank"].tolist(),
                 peer_table=plan["peer_rank_table"].tolist(), send_rank=plan["send_rank"].tolist(),
                 send_peer_row=plan["send_peer_row"].tolist(), n=x.shape[0])
 
@@ -652,10 +651,8 @@ def check_direct_plan(res):
         for i, (d, p) in enumerate(zip(r["send_rank"], r["send_peer_row"])):
             assert res[d]["recv_rank"][p] == s and res[d]["src_token"][p] == r["send_token"][i]
     for r in res:
-        for p, (s, t) in enumerate(zip(r["recv_rank"], r["src_token"])):
-            assert t in res[s]["send_token"] and r["chunk"][p] == t * 3 // res[s]["n"]
-            lo, hi = chunk_bounds(res[s]["n"], 3)[r["chunk"][p]]
-            assert lo <= t < hi
+        for s, t in zip(r["recv_rank"], r["src_token"]):
+            assert t in res[s]["send_token"]
 
 
 def case_timeout(ctx, seed):
@@ -774,15 +771,6 @@ def test_autograd_with_expert_alignment(pool, world):
 @pytest.mark.parametrize("scenario", ["random", "empty_rank"])
 def test_direct_plan_indexes_agree_across_ranks(pool, world, scenario):
     check_direct_plan(pool.run(case_direct_plan, fresh_seed(), scenario, ranks=world))
-
-
-def test_chunk_bounds_match_the_receivers_chunk_of_a_token():
-    for t in range(0, 40):
-        for c in (1, 2, 3, 4, 7):
-            bounds = chunk_bounds(t, c)
-            assert len(bounds) == c and bounds[0][0] == 0 and bounds[-1][1] == t
-            for i, (lo, hi) in enumerate(bounds):
-                assert all(tok * c // t == i for tok in range(lo, hi))
 
 
 def test_symm_backend_needs_nccl(pool):

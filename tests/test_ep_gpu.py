@@ -114,19 +114,17 @@ def case_sync_budget(ctx, seed, payload="bf16", alignment=1):
     return len(syncs), tuple(combined.shape)
 
 
-def _symm_buffer(ctx, n_exp, payload, chunks, push=False):
-    """chunks: pull-dispatch slices; push=True: the push dispatch (needs chunks == 1)."""
+def _symm_buffer(ctx, n_exp, payload, push=False):
+    """push=True: the push dispatch; False: the pull dispatch."""
     from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-    backend = SymmetricMemoryBackend(ctx.group, chunks=chunks, push=push)
+    backend = SymmetricMemoryBackend(ctx.group, push=push)
     return Buffer(n_exp, ctx.group, payload=payload, backend=backend)
 
 
 def _mode(mode):
-    """'push' -> (1, True); 'pullN' -> (N, False)."""
-    if mode == "push":
-        return 1, True
-    return int(mode[4:]), False
+    """'push' -> (True,); 'pull' -> (False,)."""
+    return (mode == "push",)
 
 
 def _check_mode(buf, mode):
@@ -271,7 +269,7 @@ def case_symm_push_agreement(ctx, seed):
 
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
-    symm = _symm_buffer(ctx, n_exp, "mxfp4", 1, push=True)
+    symm = _symm_buffer(ctx, n_exp, "mxfp4", push=True)
     if ctx.rank == ctx.world_size - 1:
         def no_views(*args, **kwargs):
             raise RuntimeError("peer views refused (test)")
@@ -326,29 +324,29 @@ def test_symm_push_falls_back_on_every_rank_together(pool):
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
-@pytest.mark.parametrize("mode", ["push", "pull1", "pull4"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_symm_matches_nccl(pool, payload, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "random")
 
 
-@pytest.mark.parametrize("mode", ["push", "pull3"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
 def test_symm_matches_nccl_ragged(pool, scenario, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", mode, scenario)
 
 
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("bf16", 16)])
-@pytest.mark.parametrize("mode", ["push", "pull3"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_symm_matches_nccl_aligned(pool, payload, alignment, mode):
     pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "duplicates", alignment)
 
 
-@pytest.mark.parametrize("mode", ["push", "pull4"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_symm_deepseek_rows(pool, mode):
     pool.run(case_symm_large, fresh_seed(), mode)
 
 
-@pytest.mark.parametrize("mode", ["push", "pull4"])
+@pytest.mark.parametrize("mode", ["push", "pull"])
 def test_symm_sync_budget(pool, mode):
     pool.run(case_symm_sync_budget, fresh_seed(), mode)
 

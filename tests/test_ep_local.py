@@ -422,17 +422,13 @@ def check_copy_rows_and_peer_sums():
     want = torch.stack([(a, b)[r][i] for i, r in zip(idx.tolist(), rank.tolist())])
     out = tr.copy_rows(torch.empty(5, 96, dtype=torch.uint8), idx, rank, bases)
     assert torch.equal(out, want)
-    chunk = torch.tensor([0, 1, 0, 1, 1])
-    part = tr.copy_rows(torch.zeros(5, 96, dtype=torch.uint8), idx, rank, bases, chunk, 1)
-    assert torch.equal(part[chunk == 1], want[chunk == 1]) and not part[chunk == 0].any()
-    # many rows: several persistent programs, several steps each, one chunk of three
+    # many rows from three buffers
     big = [torch.randint(0, 256, (700, 40), dtype=torch.uint8) for _ in range(3)]
     idx3, rank3 = torch.randint(0, 700, (2500,)), torch.randint(0, 3, (2500,))
-    chunk3 = torch.randint(0, 3, (2500,))
     want3 = torch.stack([big[r][i] for i, r in zip(idx3.tolist(), rank3.tolist())])
     got3 = tr.copy_rows(torch.zeros(2500, 40, dtype=torch.uint8), idx3, rank3,
-                        torch.tensor([b_.data_ptr() for b_ in big], dtype=torch.int64), chunk3, 2)
-    assert torch.equal(got3[chunk3 == 2], want3[chunk3 == 2]) and not got3[chunk3 != 2].any()
+                        torch.tensor([b_.data_ptr() for b_ in big], dtype=torch.int64))
+    assert torch.equal(got3, want3)
     odd = tr.copy_rows(torch.empty(5, 17, dtype=torch.uint8), idx, rank,
                        torch.tensor([a.data_ptr(), b.data_ptr()], dtype=torch.int64))
     assert torch.equal(odd, torch.stack([(a, b)[r].reshape(-1)[i * 17:(i + 1) * 17]
@@ -455,9 +451,9 @@ class _OneRankDirect(LocalBackend):
     direct = True
     side_stream = None
 
-    def __init__(self, chunks, push=False):
+    def __init__(self, push=False):
         super().__init__("cpu")
-        self.chunks, self.push, self.capacity, self.barriers, self._keep = chunks, push, 0, [], []
+        self.push, self.capacity, self.barriers, self._keep = push, 0, [], []
 
     def peer_rows(self, rank, rows, width):
         return self.staging(rows, width)
@@ -479,24 +475,23 @@ class _OneRankDirect(LocalBackend):
 
 
 def check_direct_path_in_a_world_of_one():
-    """dispatch_rows / combine_sums (chunked encode into staging, row copies, sums over buffers)
-    give the all-to-all path's bits."""
+    """dispatch_rows / combine_sums (the pull path: encode into staging, row copies, sums over
+    buffers) give the all-to-all path's bits."""
     from moe_fp4.ep import _triton_combine
 
     _triton_combine._BF16_STORE_OK[torch.device("cpu")] = False
-    for payload, chunks in (("mxfp4", 3), ("bf16", 2), ("fp8", 1), ("nvfp4", 4)):
+    for payload in ("mxfp4", "bf16", "fp8", "nvfp4"):
         x = torch.randn(29, 256) * 3
         idx = random_routing(29, 3, 4)
         w = torch.rand(29, 3)
         ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
-        backend = _OneRankDirect(chunks)
+        backend = _OneRankDirect()
         buf = Buffer(4, payload=payload, backend=backend)
         got = buf.dispatch(x, idx, w, return_fp8=True)
         assert_bitwise_equal(got.recv_rows, ref.recv_rows, f"{payload} received rows")
         assert_bitwise_equal(got.fp8[0], ref.fp8[0], f"{payload} fp8")
         assert_bitwise_equal(got.fp8[1], ref.fp8[1], f"{payload} fp8 scales")
-        want_chunks = chunks if payload != "nvfp4" else 1
-        assert backend.barriers == [0] + list(range(1, want_chunks + 1)), backend.barriers
+        assert backend.barriers == [0, 1], backend.barriers
         y = (ref.values() * 2).to(torch.bfloat16)
         for wire in ("bf16", "fp8", "mxfp4"):
             for weighted in (True, False):
@@ -504,9 +499,7 @@ def check_direct_path_in_a_world_of_one():
                 want = Buffer(4).combine(y, ref.handle, payload=wire, weighted=weighted)
                 have = buf.combine(y, got.handle, payload=wire, weighted=weighted)
                 assert_bitwise_equal(have, want, f"combine over {wire}, weighted={weighted}")
-                # the bf16 wire is pipelined in slices, each behind its own barrier
-                steps = chunks if wire == "bf16" and chunks > 1 else 1
-                assert backend.barriers == [0] + list(range(1, steps + 1)), (wire, backend.barriers)
+                assert backend.barriers == [0, 1], (wire, backend.barriers)
 
 
 def test_direct_path_in_a_world_of_one_interpreted():
@@ -527,7 +520,7 @@ def check_push_path_in_a_world_of_one():
         idx[5] = -1  # a token sent nowhere
         w = torch.rand(23, 3)
         ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
-        backend = _OneRankDirect(1, push=True)
+        backend = _OneRankDirect(push=True)
         buf = Buffer(4, payload=payload, backend=backend)
         got = buf.dispatch(x, idx, w, return_fp8=True)
         again = buf.dispatch(x, handle=got.handle, return_fp8=True)
@@ -578,7 +571,6 @@ class _ThreadRankDirect(_ThreadRank):
 
     direct = True
     side_stream = None
-    chunks = 1
     push = True
 
     def __init__(self, world, rank):
@@ -673,7 +665,7 @@ def test_symm_backend_allocates_on_first_use_when_no_row_moves():
 
     backend = SymmetricMemoryBackend.__new__(SymmetricMemoryBackend)  # (its __init__ needs NCCL)
     backend.__dict__.update(rank=0, world_size=1, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
-                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, chunks=1, push=True)
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, push=True)
     backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
                                     rendezvous=lambda buf, group: _FakeSymmHandle(buf))
     x = torch.randn(6, 64)
@@ -697,7 +689,7 @@ class _FakePeerHandle(_FakeSymmHandle):
         return torch.zeros(shape, dtype=dtype)
 
 
-_SYMM_SETTINGS = dict(push=True, chunks=1, overlap_fp8=True)
+_SYMM_SETTINGS = dict(push=True, overlap_fp8=True)
 
 
 def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
@@ -745,7 +737,7 @@ def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, p
 
 
 @pytest.mark.parametrize("name, value, shown", [
-    ("push", False, "push (0 to 1)"), ("chunks", 4, "chunks (1 to 4)"), ("overlap_fp8", False, "overlap_fp8 (0 to 1)")])
+    ("push", False, "push (0 to 1)"), ("overlap_fp8", False, "overlap_fp8 (0 to 1)")])
 def test_symm_backend_settings_must_agree(monkeypatch, name, value, shown):
     """A peer built with another path setting: ValueError naming it at the first allocation (the
     ranks would otherwise lay out each other's buffers differently)."""

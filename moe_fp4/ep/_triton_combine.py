@@ -29,13 +29,9 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gather_sum_kernel(src_ptr, table_ptr, w_ptr, out_ptr, hidden, src_stride, out_stride, chunk_ptr, chunk,
-                           K: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr,
-                           OUT_BF16: tl.constexpr, CHUNKED: tl.constexpr):
+    def _gather_sum_kernel(src_ptr, table_ptr, w_ptr, out_ptr, hidden, src_stride, out_stride,
+                           K: tl.constexpr, BLOCK: tl.constexpr, WEIGHTED: tl.constexpr, OUT_BF16: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
-        if CHUNKED:  # only the output rows of one chunk (pipelined combine)
-            if tl.load(chunk_ptr + t) != chunk:
-                return
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < hidden
         acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -104,23 +100,14 @@ def check_bf16_store(device: torch.device) -> bool:
 
 
 def gather_sum(src: torch.Tensor, table: torch.Tensor, weights: torch.Tensor | None,
-               out_dtype: torch.dtype, out: torch.Tensor | None = None, row_chunk: torch.Tensor | None = None,
-               chunk: int = 0) -> torch.Tensor:
+               out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """src float [n, H] (last dimension contiguous), table int64 [T, K] (rows of src, -1: none),
     weights float32 [T, K] or None -> out_dtype (float32 or bfloat16) [T, H]; out: a contiguous
-    out_dtype tensor of T * H elements to write into (e.g. a staging buffer), or None; row_chunk
-    int64 [T] or None: only the output rows whose chunk equals ``chunk`` are written (needs out)."""
-    if row_chunk is not None and out is None:
-        raise ValueError("out: required with row_chunk (the rows of other chunks are left as they are)")
+    out_dtype tensor of T * H elements to write into (e.g. a staging buffer), or None."""
     if out_dtype == torch.bfloat16 and not _BF16_STORE_OK.get(src.device, False):
-        res = _launch(src, table, weights, torch.float32, None, row_chunk, chunk).to(torch.bfloat16)
-        if out is None:
-            return res
-        out = out.view(res.shape)
-        if row_chunk is None:
-            return out.copy_(res)
-        return out.copy_(torch.where((row_chunk == chunk).unsqueeze(1), res, out))
-    return _launch(src, table, weights, out_dtype, out, row_chunk, chunk)
+        res = _launch(src, table, weights, torch.float32).to(torch.bfloat16)
+        return res if out is None else out.view(res.shape).copy_(res)
+    return _launch(src, table, weights, out_dtype, out)
 
 
 WIRES = {"bf16": 0, "fp8": 1, "mxfp4": 2}
@@ -171,7 +158,7 @@ def gather_sum_peers(bases: torch.Tensor, table: torch.Tensor, hidden: int) -> t
     return decode_sum(bases, table, hidden, "bf16")
 
 
-def _launch(src, table, weights, out_dtype, out=None, row_chunk=None, chunk=0):
+def _launch(src, table, weights, out_dtype, out=None):
     t, k = table.shape
     hidden = src.shape[1]
     if out is None:
@@ -189,10 +176,9 @@ def _launch(src, table, weights, out_dtype, out=None, row_chunk=None, chunk=0):
     block = 1024 if hidden >= 1024 else triton.next_power_of_2(hidden)
     grid = (t, triton.cdiv(hidden, block))
     w = weights.contiguous() if weights is not None else table  # unused when not weighted
-    chunks = row_chunk if row_chunk is not None else table  # unused when not chunked
-    _gather_sum_kernel[grid](src, table, w, out, hidden, src.stride(0), out.stride(0), chunks, chunk, K=k,
-                             BLOCK=block, WEIGHTED=weights is not None, OUT_BF16=out_dtype == torch.bfloat16,
-                             CHUNKED=row_chunk is not None, enable_fp_fusion=False, num_warps=4)
+    _gather_sum_kernel[grid](src, table, w, out, hidden, src.stride(0), out.stride(0), K=k, BLOCK=block,
+                             WEIGHTED=weights is not None, OUT_BF16=out_dtype == torch.bfloat16,
+                             enable_fp_fusion=False, num_warps=4)
     return out
 
 

@@ -9,8 +9,7 @@ where Triton is installed, in its CPU interpreter).
 
 ``copy_rows(out, index, src_rank, bases, ...)``: out[i] = the row ``index[i]`` of rank
 ``src_rank[i]``'s staging buffer, whose address is ``bases[src_rank[i]]`` (symmetric memory: peers'
-buffers are addressable from this GPU over NVLink). With ``row_chunk`` / ``chunk`` only the rows of
-that chunk are copied (pipelined dispatch).
+buffers are addressable from this GPU over NVLink).
 
 MOE_FP4_EP_TRITON=0 turns these kernels off (the torch paths run instead).
 
@@ -101,15 +100,12 @@ if triton is not None:
                 tl.store(scales_ptr + r * n_groups + g, bits, mask=gmask)
 
     @triton.jit
-    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, chunk_ptr, chunk, words,
-                          WORD: tl.constexpr, BLOCK: tl.constexpr, CHUNKED: tl.constexpr):
+    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, words,
+                          WORD: tl.constexpr, BLOCK: tl.constexpr):
         # one program per (row, BLOCK words): many small programs keep many loads in flight, which
         # is what reads over NVLink need (a persistent kernel on a quarter of the SMs measured 1.6x
         # slower on 2 H200s)
         i = tl.program_id(0).to(tl.int64)
-        if CHUNKED:
-            if tl.load(chunk_ptr + i) != chunk:
-                return
         r = tl.load(rank_ptr + i)
         # the source buffer as an offset from out, in words (both addresses are word-aligned)
         rel = (tl.load(bases_ptr + r) - out_addr) // WORD + tl.load(index_ptr + i) * words
@@ -231,12 +227,10 @@ def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tenso
     return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
 
 
-def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, bases: torch.Tensor,
-              row_chunk: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
+def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
     """out uint8 [N, B] (contiguous) <- row index[i] (int64 [N]) of the buffer of rank src_rank[i]
-    (int64 [N]); bases int64 [W]: each rank's buffer address (rows of B bytes back to back);
-    row_chunk int64 [N] or None: copy only the rows whose chunk equals ``chunk``. Rows move as 4-byte
-    words when B allows it, else as bytes."""
+    (int64 [N]); bases int64 [W]: each rank's buffer address (rows of B bytes back to back). Rows
+    move as 4-byte words when B allows it, else as bytes."""
     n, width = out.shape
     if out.dtype != torch.uint8 or not out.is_contiguous():
         raise ValueError(f"out: expected contiguous uint8 rows, got {out.dtype} {tuple(out.shape)}")
@@ -245,10 +239,8 @@ def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, ba
     word = torch.int32 if width % 4 == 0 else torch.uint8
     words = width // word.itemsize
     block = min(1024, triton.next_power_of_2(words))
-    chunks = row_chunk if row_chunk is not None else index
-    _copy_rows_kernel[(n, triton.cdiv(words, block))](out.view(word), out.data_ptr(), index, src_rank, bases, chunks,
-                                                      chunk, words, WORD=word.itemsize, BLOCK=block,
-                                                      CHUNKED=row_chunk is not None, num_warps=4)
+    _copy_rows_kernel[(n, triton.cdiv(words, block))](out.view(word), out.data_ptr(), index, src_rank, bases, words,
+                                                      WORD=word.itemsize, BLOCK=block, num_warps=4)
     return out
 
 

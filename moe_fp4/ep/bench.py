@@ -56,8 +56,7 @@ def _parse(argv):
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
                    "nccl,symm; CPU: gloo); symm pushes rows into the receivers' buffers, symm:pull pulls them "
-                   "from the senders', symm:N pulls with N encode slices")
-    p.add_argument("--chunks", type=int, default=1, help="encode slices of the symm backend's dispatch")
+                   "from the senders'")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
                    "transfer, conversions, combine kernels) at the largest token count")
     p.add_argument("--profile-layout", action="store_true", help="profile 5 full (layout-computing) mxfp4 "
@@ -80,7 +79,7 @@ def _parse(argv):
     a.backends = [b for b in (a.backends or ("nccl,symm" if a.backend == "nccl" else a.backend)).split(",") if b]
     usable = ("nccl", "symm") if a.backend == "nccl" else ("gloo",)
     for b in a.backends:
-        if b.split(":")[0] not in usable or (":" in b and not (b.split(":")[1].isdigit() or b.split(":")[1] == "pull")):
+        if b.split(":")[0] not in usable or (":" in b and b != "symm:pull"):
             p.error(f"--backends: expected some of {usable} with the {a.backend} process group, got {b!r}")
     for f in a.formats:
         if f not in FORMATS:
@@ -181,7 +180,7 @@ def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms) -> dict:
     wire = sum(h.send_counts) * row_bytes
     layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
     n_free = buf.world_size * x.shape[0]
-    pulls = getattr(buf.backend, "direct", False) and not (buf.backend.push and buf.backend.chunks == 1)
+    pulls = getattr(buf.backend, "direct", False) and not buf.backend.push
     free_ms = float("nan") if pulls else timer(lambda: buf.dispatch(x, idx, w, payload=codec, max_recv_tokens=n_free))
     disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
     e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)
@@ -246,9 +245,7 @@ def _run(args) -> list[dict]:
         if b.startswith("symm"):
             from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-            mode = b.split(":")[1] if ":" in b else ""
-            chunks = int(mode) if mode.isdigit() else args.chunks
-            backend = SymmetricMemoryBackend(chunks=chunks, push=not mode)
+            backend = SymmetricMemoryBackend(push=b != "symm:pull")
             bufs[b] = Buffer(args.experts, payload="bf16", backend=backend)
         else:
             bufs[b] = plain
@@ -322,7 +319,7 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     out = buf.dispatch(x, idx, w, payload=codec)
     h, b = out.handle, buf.backend
     recv = out.recv_rows
-    plan = direct_plan(h, b.chunks)
+    plan = direct_plan(h)
     staging = b.staging(x.shape[0], recv.shape[1])
     y = out.values(torch.bfloat16)
     partial = torch.empty(h.num_recv_tokens, hidden, dtype=torch.bfloat16, device=x.device)
@@ -330,7 +327,7 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     recv_per_rank = recv_rows_per_rank(h)
     dests = [recv if r == me else b.peer_rows(r, recv_per_rank[r], recv.shape[1]) for r in range(w_)]
     own = b.staging(h.num_recv_tokens, recv.shape[1])
-    push_plan = direct_plan(h, 1)
+    push_plan = plan
     res = [
         ("push: fused encode + bulk copies into every receiver (quantize_mxfp4_rows_multi)",
          timer(lambda: ops.quantize_mxfp4_rows_multi(x, dests, push_plan["peer_rank_table"], bulk_stores=True))),

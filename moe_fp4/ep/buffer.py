@@ -472,7 +472,7 @@ class Buffer:
           transfer: ``out.handle.check()`` (one host sync) raises ValueError for any of them; call it
           once a step. Every rank must pass the same N, hidden size, k and payload (the transfers'
           sizes follow from them). Not with a handle; on the symm backend only with its default
-          settings (push, chunks=1). The valid rows hold the bits of a
+          settings (push). The valid rows hold the bits of a
           synced dispatch of the same tokens.
         """
         if return_fp8 not in (False, True, "rows", "tokens"):
@@ -511,9 +511,9 @@ class Buffer:
                                           or max_recv_rows < 0):
             raise ValueError(f"max_recv_rows: expected None or a non-negative int, got {max_recv_rows!r}")
         b = self.backend
-        if getattr(b, "direct", False) and not (b.push and b.chunks == 1):
-            raise ValueError("max_recv_tokens: the symm backend dispatches sync-free only with its default settings "
-                             "(push, chunks=1)")
+        if getattr(b, "direct", False) and not b.push:
+            raise ValueError("max_recv_tokens: the symm backend dispatches sync-free only when it pushes (push=True, "
+                             "and every rank can map its peers' buffers)")
 
     def _send_payload(self, x: torch.Tensor, codec: PayloadCodec, handle: DispatchHandle, return_fp8) -> DispatchOutput:
         hidden = x.shape[1]
@@ -521,7 +521,7 @@ class Buffer:
             per_token = return_fp8 == "tokens"
             k = 1 if per_token else handle.slot_table.shape[1]
             if return_fp8 and getattr(self.backend, "overlap_fp8", False) and self.backend.push \
-                    and self.backend.chunks == 1 and codec.expands_in_place(x, hidden, k):
+                    and codec.expands_in_place(x, hidden, k):
                 recv, fp8 = symmetric.push_rows_fp8(self.backend, x, codec, handle, per_token)
                 out = DispatchOutput(recv, codec, hidden, handle)
                 if fp8 is None:  # the ranks pull: converted after the transfer

@@ -13,9 +13,10 @@
             With FP8 output asked for (``push_rows_fp8``: mxfp4 with the native ops) the push kernel
             also converts the rows a rank sends itself to FP8 from its staged row, and the peers'
             blocks are converted and copied out of the buffer in one pass after the barrier.
-            (pull, ``push=False`` or ``chunks > 1``) every rank encodes its tokens into its own
-            staging buffer, in token order; after a barrier each receiver copies the rows it needs,
-            from every source's buffer, into its receive rows (one Triton copy kernel).
+            (pull, ``push=False``, or where a rank cannot map its peers' buffers) every rank encodes
+            its tokens into its own staging buffer, in token order; after a barrier each receiver
+            copies the rows it needs, from every source's buffer, into its receive rows (one Triton
+            copy kernel).
   combine   every expert rank writes its per-token partial sums into its staging buffer; after a
             barrier each token's rank sums (and, for fp8/mxfp4 wires, decodes) its partials straight
             out of the peers' buffers (one Triton kernel: no receive buffer, no all-to-all).
@@ -23,10 +24,8 @@ Each operation starts with a barrier, so no rank writes into a buffer (its own s
 receiver's in the push dispatch) while that buffer's rows are still being read (copied out by its
 owner, or read by a peer). Results are bit for bit those of the NCCL path (tests/test_ep_gpu.py checks it).
 
-``chunks=N`` cuts the dispatch encode (and the bf16 combine) into N slices and copies slice c on a
-high-priority side stream, behind a barrier of its own, while slice c + 1 is encoded. On 2 H200s
-that measured slower than no slicing (the encoder and the copies compete for the same SMs;
-benchmarks/results/dispatch.md), so the default is 1.
+Slicing the pull dispatch's encode (and the bf16 combine) to copy slice c while slice c + 1 is
+encoded measured slower than no slicing on 2 H200s (benchmarks/results/dispatch.md) and was removed.
 
 Multicast is never used (no multimem operations; set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on
 machines where it must stay off). The staging buffer grows on demand; the size is computed from
@@ -38,7 +37,6 @@ the backend is dropped (a peer may still be reading them).
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
@@ -57,9 +55,6 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
     the combine reads the partial sums out of the peers' buffers.
 
     group: an NCCL process group (None: the default group) whose ranks share NVLink (one host);
-    chunks: slices of the pull dispatch's encode (and of the bf16 combine) pipelined with the
-      transfer (1, the default: no pipelining, which measured faster on 2 H200s; see
-      benchmarks/results/dispatch.md); chunks > 1 dispatches by pulling;
     push: dispatch by pushing each encoded row into its receivers' buffers (True, the default) or by
       pulling rows out of the senders' staging buffers (False); with True the ranks agree at the
       first allocation: they push only if every rank can map its peers' buffers as tensors, else all
@@ -69,7 +64,7 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
       rank's own rows inside the push kernel and the peers' rows straight out of the buffer as soon as
       they have landed (True, the default, for payloads that convert in place: mxfp4 with the native
       ops; ``push_rows_fp8``), or convert the received rows after the transfer (False);
-    Every rank of the group must be built with the same path settings (push, chunks, overlap_fp8:
+    Every rank of the group must be built with the same path settings (push, overlap_fp8:
     checked at the first allocation, ValueError otherwise) and pass the same ``return_fp8`` to each
     dispatch: the paths lay out the buffers differently. (Converting the peers' rows slice by slice
     behind the next slice's push, and pulling the rows to convert out of the senders' buffers,
@@ -77,19 +72,15 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
 
     direct = True
 
-    def __init__(self, group=None, *, chunks: int = 1, push: bool = True, timeout_ms: int = 120_000,
-                 overlap_fp8: bool = True):
+    def __init__(self, group=None, *, push: bool = True, timeout_ms: int = 120_000, overlap_fp8: bool = True):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
                              f"{self.name!r}")
-        if not isinstance(chunks, int) or not 1 <= chunks <= 16:
-            raise ValueError(f"chunks: expected an int in [1, 16], got {chunks!r}")
         from torch.distributed import _symmetric_memory as symm_mem
 
         self._symm = symm_mem
         self.name = "symm"
-        self.chunks = chunks
         self.push = bool(push)
         self.timeout_ms = timeout_ms
         self.overlap_fp8 = bool(overlap_fp8)
@@ -139,7 +130,7 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
             self._agree_at_first_allocation()
 
     # Settings that choose a dispatch's path and its barriers: every rank must take the same path.
-    _SHARED_SETTINGS = ("push", "chunks", "overlap_fp8")
+    _SHARED_SETTINGS = ("push", "overlap_fp8")
 
     def _agree_at_first_allocation(self) -> None:
         """Collective, at the first allocation: the ranks check that they were built with the same
@@ -211,9 +202,9 @@ class _DirectPlan(dict):
     """The index tensors of the direct path for one handle, each built on first use (a push dispatch
     needs only ``peer_rank_table``; fewer launches in a full dispatch)."""
 
-    def __init__(self, handle, chunks: int):
+    def __init__(self, handle):
         super().__init__()
-        self.handle, self.chunks = handle, chunks
+        self.handle = handle
 
     def __missing__(self, key):
         build = getattr(self, "_" + key, None)
@@ -233,12 +224,6 @@ class _DirectPlan(dict):
 
     def _recv_rank(self):
         return self._fill_blocks(self.handle.recv_counts)
-
-    def _recv_chunk(self):
-        # chunk of a received row: its token's slice at the source, tokens [ceil(cT/C), ceil((c+1)T/C))
-        h = self.handle
-        src_tokens = self._fill_blocks(h.recv_counts, [max(n, 1) for n in h.peer_num_tokens])
-        return h.recv_src_token * self.chunks // src_tokens
 
     def _delta(self):
         # my row j of the block for rank r is row (rows rank r receives from ranks < me) + j of r's view
@@ -263,17 +248,16 @@ class _DirectPlan(dict):
         return torch.arange(n_send, device=self.handle.send_token.device) + self["delta"][self["send_rank"]]
 
 
-def direct_plan(handle, chunks: int) -> dict:
+def direct_plan(handle) -> dict:
     """Index tensors of the direct path for ``handle`` (cached on it; each built on first use, without
     host synchronisation), all int64 on the handle's device:
       recv_rank [n_recv]: the source rank of each received row;
-      recv_chunk [n_recv]: the slice (of ``chunks``) of each received row's token at its source;
       peer_rank_table [T, W]: the row of (token, rank) in that rank's received rows, -1 if not sent;
       send_rank / send_peer_row [n_send]: the destination of each sent row and its row there."""
     cache = handle.direct_cache
-    if chunks not in cache:
-        cache[chunks] = _DirectPlan(handle, chunks)
-    return cache[chunks]
+    if "plan" not in cache:
+        cache["plan"] = _DirectPlan(handle)
+    return cache["plan"]
 
 
 def recv_rows_per_rank(handle) -> list[int]:
@@ -283,45 +267,21 @@ def recv_rows_per_rank(handle) -> list[int]:
     return [sum(handle.count_matrix[s][r] for s in range(w)) for r in range(w)]
 
 
-def chunk_bounds(num_tokens: int, chunks: int) -> list[tuple[int, int]]:
-    """Token slices [ceil(c T / C), ceil((c + 1) T / C)) for c < C: token t is in slice t * C // T."""
-    cut = [-(-c * num_tokens // chunks) for c in range(chunks + 1)]
-    return list(zip(cut[:-1], cut[1:]))
-
-
 def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
     """The payload exchange of a dispatch: x float [T, H] -> received rows uint8 [n_recv, row_bytes],
     grouped by source rank, the same bytes as the all-to-all path. ``push_rows`` when the backend
-    pushes (``push`` and ``chunks == 1``); otherwise each rank pulls the rows out of the senders'
-    staging buffers, in ``chunks`` slices for a row-wise codec."""
-    if getattr(backend, "push", False) and backend.chunks == 1:
+    pushes; otherwise each rank pulls the rows out of the senders' staging buffers."""
+    if getattr(backend, "push", False):
         return push_rows(backend, x, codec, handle)
     width = codec.row_bytes(x.shape[1])
-    chunks = backend.chunks if codec.rowwise else 1
-    plan = direct_plan(handle, chunks)
+    plan = direct_plan(handle)
     backend.ensure_capacity(max(handle.peer_num_tokens) * width)
     recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
-    cuda = x.is_cuda  # (CPU: the Triton interpreter in tests, no streams)
-    main = torch.cuda.current_stream(backend.device) if cuda else None
-    side = backend.side_stream if cuda else None
     backend.barrier(0)  # every peer has finished reading the staging buffer
-    staging = backend.staging(x.shape[0], width)
-    if cuda:
-        side.wait_stream(main)
-    for c, (lo, hi) in enumerate(chunk_bounds(x.shape[0], chunks)):
-        if hi > lo:
-            codec.encode_into(x[lo:hi], staging[lo:hi])
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record(main)
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            if cuda:
-                side.wait_event(ready)
-            backend.barrier(1 + c)  # slice c is encoded on every rank
-            _triton_rows.copy_rows(recv, handle.recv_src_token, plan["recv_rank"], backend.bases,
-                                   plan["recv_chunk"] if chunks > 1 else None, c)
-    if cuda:
-        main.wait_stream(side)
+    if x.shape[0]:
+        codec.encode_into(x, backend.staging(x.shape[0], width))
+    backend.barrier(1)  # every rank's rows are encoded
+    _triton_rows.copy_rows(recv, handle.recv_src_token, plan["recv_rank"], backend.bases)
     return recv
 
 
@@ -332,7 +292,7 @@ def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -
     the barrier the peers' blocks are copied out of this rank's buffer (contiguous slices)."""
     w, me = handle.world_size, handle.rank
     width = codec.row_bytes(x.shape[1])
-    plan = direct_plan(handle, 1)
+    plan = direct_plan(handle)
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
@@ -357,8 +317,8 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     (received rows uint8 [n_recv, row_bytes] as ``push_rows`` returns them, (float8_e4m3fn [R, H],
     float32 [R, H/128])) with R = n_recv (``per_token``: row j is received row j) or the handle's
     expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``;
-    handle.alloc_rows of them); (rows, None) when the ranks agreed to pull instead (or chunks > 1):
-    the caller converts then.
+    handle.alloc_rows of them); (rows, None) when the ranks agreed to pull instead: the caller
+    converts then.
 
     One kernel encodes each token once and stores its row to every receiver; a row this rank sends
     itself is also converted, from the row staged in shared memory, to its FP8 rows while the stores
@@ -369,10 +329,10 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     w, me = handle.world_size, handle.rank
     hidden = x.shape[1]
     width = codec.row_bytes(hidden)
-    plan = direct_plan(handle, 1)
+    plan = direct_plan(handle)
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
-    if not backend.push or backend.chunks != 1:  # (the ranks may have agreed at the first allocation to pull)
+    if not backend.push:  # (the ranks may have agreed at the first allocation to pull)
         return dispatch_rows(backend, x, codec, handle), None  # (the caller converts)
     n = handle.num_recv_tokens
     recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
@@ -419,15 +379,13 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     """Combine over the staging buffers: y [N, H'] expert outputs -> bfloat16 [T, H'] (the same
     arithmetic and bits as Buffer.combine's all-to-all path)."""
     hidden = y.shape[1]
-    plan = direct_plan(handle, backend.chunks)
+    plan = direct_plan(handle)
     n_recv_per_rank = recv_rows_per_rank(handle)
     bf16_wire = codec.name == "bf16"
     width = 2 * hidden if bf16_wire else codec.row_bytes(hidden)
     backend.ensure_capacity(max(n_recv_per_rank) * width)
     backend.barrier(0)
     staging = backend.staging(handle.num_recv_tokens, width)
-    if bf16_wire and backend.chunks > 1:
-        return _pipelined_bf16_combine(backend, y, handle, weights, staging.view(torch.bfloat16), plan)
     if bf16_wire:
         _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16,
                                    out=staging.view(torch.bfloat16))
@@ -443,34 +401,5 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
 
 
-def _pipelined_bf16_combine(backend, y, handle, weights, staging, plan) -> torch.Tensor:
-    """The bf16 combine in ``chunks`` slices: slice c of the partial sums (received tokens whose
-    source token is in the source's slice c) is written on the main stream while, on the side
-    stream, each rank sums its tokens of slice c - 1 out of the peers' buffers."""
-    hidden = y.shape[1]
-    out = torch.empty(handle.num_tokens, hidden, dtype=torch.bfloat16, device=y.device)
-    cuda = y.is_cuda  # (CPU: the Triton interpreter in tests, no streams)
-    main = torch.cuda.current_stream(y.device) if cuda else None
-    side = backend.side_stream if cuda else None
-    if cuda:
-        side.wait_stream(main)
-    for c, (lo, hi) in enumerate(chunk_bounds(handle.num_tokens, backend.chunks)):
-        _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16, out=staging,
-                                   row_chunk=plan["recv_chunk"], chunk=c)
-        if cuda:
-            ready = torch.cuda.Event()
-            ready.record(main)
-        with torch.cuda.stream(side) if cuda else contextlib.nullcontext():
-            if cuda:
-                side.wait_event(ready)
-            backend.barrier(1 + c)  # slice c of the partial sums is written on every rank
-            if hi > lo:
-                _triton_combine.decode_sum(backend.bases, plan["peer_rank_table"][lo:hi], hidden, "bf16",
-                                           out=out[lo:hi])
-    if cuda:
-        main.wait_stream(side)
-    return out
-
-
-__all__ = ["SymmetricMemoryBackend", "chunk_bounds", "combine_sums", "direct_plan", "dispatch_rows", "push_rows",
-           "push_rows_fp8", "recv_rows_per_rank"]
+__all__ = ["SymmetricMemoryBackend", "combine_sums", "direct_plan", "dispatch_rows", "push_rows", "push_rows_fp8",
+           "recv_rows_per_rank"]
