@@ -672,8 +672,9 @@ class Buffer:
             recv_topk_weights=got.recv_topk_weights, expand_row=got.expand_row, expand_slot=got.expand_slot,
             row_weights=got.row_weights, tokens_per_expert=None, split_lens=got.split_lens,
             split_offsets=got.split_offsets, num_rows=rows, slot_table=got.slot_table, rank_table=sent.rank_table,
-            recv_src_token=got.recv_src_token, peer_num_tokens=[block] * w, count_matrix=[[block] * w for _ in range(w)],
-            expert_alignment=alignment, gap_rows=got.gap_rows, sync_free=True,
+            recv_src_token=got.recv_src_token, peer_num_tokens=[block] * w,
+            count_matrix=[[block] * w for _ in range(w)], expert_alignment=alignment, gap_rows=got.gap_rows,
+            sync_free=True,
             pending=dict(info=sent.info, recv_info=recv_info, rows_needed=got.rows_needed, header=header,
                          error=None if local_error is None else str(local_error)),
         )
