@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from moe_fp4.ops import routing
+
 
 @dataclass
 class DispatchLayout:
@@ -65,33 +67,17 @@ def dispatch_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int) -
     ``invalid`` (the caller decides how to report them: Buffer.dispatch raises ValueError on every
     rank) and otherwise treated as empty slots."""
     check_topk_idx(topk_idx)
-    experts_per_rank = check_experts(num_experts, world_size)
-    idx = topk_idx.to(torch.int64)
-    t, k = idx.shape
-    dev = idx.device
-    # (few launches: the full dispatch runs this on every call)
-    clamped = idx.clamp(-1, num_experts - 1)
-    bad = clamped != idx  # ids below -1 or from num_experts on
-    expert = clamped.masked_fill(bad, -1).remainder_(num_experts + 1)  # empty and bad slots -> num_experts
-    dest_rank = expert // experts_per_rank  # num_experts // experts_per_rank = world_size for those
-    in_rank = torch.zeros(t, world_size + 1, dtype=torch.bool, device=dev)
-    in_rank.scatter_(1, dest_rank, True)
-    is_token_in_rank = in_rank[:, :world_size]
-    num_tokens_per_rank = is_token_in_rank.sum(0, dtype=torch.int64)
-    ones = torch.ones(t, k, dtype=torch.int64, device=dev)
-    per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
-    per_expert.scatter_add_(0, expert.reshape(-1), ones.reshape(-1))
-    slots = torch.zeros(world_size + 1, k, dtype=torch.int64, device=dev)
-    slots.scatter_add_(0, dest_rank, ones)
+    check_experts(num_experts, world_size)
+    got = routing.route_counts(topk_idx, num_experts, world_size)
     return DispatchLayout(
         num_experts=num_experts,
         world_size=world_size,
-        dest_rank=dest_rank,
-        is_token_in_rank=is_token_in_rank,
-        num_tokens_per_rank=num_tokens_per_rank,
-        num_tokens_per_expert=per_expert[:num_experts],
-        num_slots_per_rank=slots[:world_size],
-        invalid=bad.sum(dtype=torch.int64),
+        dest_rank=got.dest_rank,
+        is_token_in_rank=got.in_rank,
+        num_tokens_per_rank=got.per_rank,
+        num_tokens_per_expert=got.per_expert,
+        num_slots_per_rank=got.slots,
+        invalid=got.bad.sum(dtype=torch.int64),
     )
 
 
@@ -102,9 +88,8 @@ def send_order(layout: DispatchLayout, num_send: int) -> tuple[torch.Tensor, tor
     Returns (token int64 [num_send], rank int64 [num_send]), by counting; no host synchronisation."""
     in_rank = layout.is_token_in_rank
     t, w = in_rank.shape
-    flag = in_rank.to(torch.int64)
-    start = torch.cumsum(layout.num_tokens_per_rank, 0) - layout.num_tokens_per_rank
-    row = torch.where(in_rank, torch.cumsum(flag, 0) - flag + start, num_send).reshape(-1)
+    rank_table, _ = routing.send_rows(in_rank, layout.num_tokens_per_rank)
+    row = torch.where(in_rank, rank_table, num_send).reshape(-1)
     token = torch.zeros(num_send + 1, dtype=torch.int64, device=in_rank.device)
     rank = torch.zeros(num_send + 1, dtype=torch.int64, device=in_rank.device)
     token.scatter_(0, row, torch.arange(t, device=in_rank.device).repeat_interleave(w))

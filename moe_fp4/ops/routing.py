@@ -99,21 +99,54 @@ def expand_layout(meta: torch.Tensor, topk: int, num_local: int, alignment: int,
     return expand_layout_torch(meta, topk, num_local, alignment, num_rows, num_gap, weights)
 
 
-def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, width, block_rows=0) -> SendLayout:
-    """The reference of ``send_layout`` in torch ops (CPU, or CUDA without the extension)."""
+class RouteCounts(NamedTuple):
+    bad: torch.Tensor         # bool [T, k]: ids outside [-1, E)
+    expert: torch.Tensor      # int64 [T, k]: each slot's expert, E for empty and bad slots
+    dest_rank: torch.Tensor   # int64 [T, k]: the rank of each slot's expert, W for empty and bad slots
+    in_rank: torch.Tensor     # bool [T, W]: token t goes to rank r
+    per_rank: torch.Tensor    # int64 [W]: tokens to each rank
+    per_expert: torch.Tensor  # int64 [E]: (token, slot) pairs per expert
+    slots: torch.Tensor       # int64 [W, k]: tokens whose slot j goes to rank r
+
+
+def route_counts(topk_idx: torch.Tensor, num_experts: int, world_size: int) -> RouteCounts:
+    """The counts of a routing in torch ops, no host synchronisation: experts split evenly and
+    contiguously over the ranks; ids outside [-1, num_experts) are flagged and count as empty."""
     t, k = topk_idx.shape
-    w, ell = world_size, num_experts // world_size
-    dev = topk_idx.device
+    w, ell, dev = world_size, num_experts // world_size, topk_idx.device
     idx = topk_idx.to(torch.int64)
     bad = (idx < -1) | (idx >= num_experts)
     expert = torch.where(bad, -1, idx).remainder_(num_experts + 1)  # empty and bad slots -> num_experts
     dest = expert // ell  # world_size for those
     in_rank = torch.zeros(t, w + 1, dtype=torch.bool, device=dev).scatter_(1, dest, True)[:, :w]
-    per_rank = in_rank.sum(0, dtype=torch.int64)
     ones = torch.ones(t, k, dtype=torch.int64, device=dev)
     per_expert = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(
         0, expert.reshape(-1), ones.reshape(-1))[:num_experts]
     slots = torch.zeros(w + 1, k, dtype=torch.int64, device=dev).scatter_add_(0, dest, ones)[:w]
+    return RouteCounts(bad, expert, dest, in_rank, in_rank.sum(0, dtype=torch.int64), per_expert, slots)
+
+
+def send_rows(in_rank: torch.Tensor, per_rank: torch.Tensor, block_rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rank_table int64 [T, W]: each token's row in the send buffer, -1 where not sent; bool [T, W]:
+    where it is sent): blocks by rank, tokens ascending in a block; back to back (block_rows 0) or
+    at r * block_rows, the tokens past a block not sent."""
+    w = in_rank.shape[1]
+    flag = in_rank.to(torch.int64)
+    pos = torch.cumsum(flag, 0) - flag  # the token's place in its rank's block
+    if block_rows:
+        in_rank = in_rank & (pos < block_rows)
+        start = torch.arange(w, device=in_rank.device) * block_rows
+    else:
+        start = torch.cumsum(per_rank, 0) - per_rank
+    return torch.where(in_rank, pos + start, -1), in_rank
+
+
+def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, width, block_rows=0) -> SendLayout:
+    """The reference of ``send_layout`` in torch ops (CPU, or CUDA without the extension)."""
+    t, k = topk_idx.shape
+    w, ell = world_size, num_experts // world_size
+    dev = topk_idx.device
+    bad, expert, dest, in_rank, per_rank, per_expert, slots = route_counts(topk_idx, num_experts, world_size)
     info = torch.zeros(w, width, dtype=torch.int64, device=dev)
     for i, v in enumerate(header):
         info[:, INFO_HEADER + i] = v
@@ -121,17 +154,10 @@ def send_layout_torch(topk_idx, topk_weights, num_experts, world_size, header, w
     info[:, INFO_RANKS:INFO_RANKS + w] = per_rank.unsqueeze(0)
     info[:, INFO_RANKS + w:INFO_RANKS + w + ell] = per_expert.view(w, ell)
     info[:, INFO_RANKS + w + ell:INFO_RANKS + w + ell + k] = slots
-    # send rows: rank blocks back to back (or at fixed starts), tokens ascending within a block
-    flag = in_rank.to(torch.int64)
-    pos = torch.cumsum(flag, 0) - flag  # the token's place in its rank's block
     if block_rows:
         info[:, INFO_DROPPED] = (per_rank - block_rows).clamp(min=0)
-        in_rank = in_rank & (pos < block_rows)
-        rank_table = torch.where(in_rank, pos + torch.arange(w, device=dev) * block_rows, -1)
-        n_rows = w * block_rows
-    else:
-        rank_table = torch.where(in_rank, pos + torch.cumsum(per_rank, 0) - per_rank, -1)
-        n_rows = t * w
+    rank_table, in_rank = send_rows(in_rank, per_rank, block_rows)
+    n_rows = w * block_rows if block_rows else t * w
     target = torch.where(in_rank, rank_table, n_rows).reshape(-1)  # rows not sent land past the end
     token = torch.arange(t, device=dev)
     send_token = torch.zeros(n_rows + 1, dtype=torch.int64, device=dev)
@@ -191,5 +217,5 @@ def expand_layout_torch(meta, topk, num_local, alignment, num_rows, num_gap, wei
                         gap_rows, ids, recv_w, meta[:, 2 * k].to(torch.int64), aligned.sum().view(1))
 
 
-__all__ = ["ExpandLayout", "SendLayout", "expand_layout", "expand_layout_torch", "info_width", "send_layout",
-           "send_layout_torch"]
+__all__ = ["ExpandLayout", "RouteCounts", "SendLayout", "expand_layout", "expand_layout_torch", "info_width",
+           "route_counts", "send_layout", "send_layout_torch", "send_rows"]
