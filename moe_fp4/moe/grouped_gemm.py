@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
+from moe_fp4.formats._checks import check_multiple, check_tensor
 from moe_fp4.moe import _triton_grouped_gemm
 
 FP8 = torch.float8_e4m3fn
@@ -25,18 +26,14 @@ def _describe(t) -> str:
 
 def check_grouped_gemm_args(a, a_scales, w, w_scales, split_offsets, split_lens) -> tuple[int, int, int, int]:
     """ValueError naming the argument unless the shapes, dtypes and devices fit; returns (M, K, G, N)."""
-    if not isinstance(a, torch.Tensor) or a.dtype != FP8 or a.dim() != 2:
-        raise ValueError(f"a: expected a float8_e4m3fn tensor [M, K], got {_describe(a)}")
+    check_tensor(a, "a", dtypes=(FP8,), dim=2)
     m, k = a.shape
-    if k % BLOCK:
-        raise ValueError(f"a: K = {k} is not a multiple of {BLOCK}")
-    if not isinstance(w, torch.Tensor) or w.dtype != FP8 or w.dim() != 3:
-        raise ValueError(f"w: expected a float8_e4m3fn tensor [G, N, K], got {_describe(w)}")
+    check_multiple(k, BLOCK, "a")
+    check_tensor(w, "w", dtypes=(FP8,), dim=3)
     g, n, kw = w.shape
     if kw != k:
         raise ValueError(f"w: expected K = {k} (a's) in [G, N, K], got shape {tuple(w.shape)}")
-    if n % BLOCK:
-        raise ValueError(f"w: N = {n} is not a multiple of {BLOCK}")
+    check_multiple(n, BLOCK, "w", "second dimension (N)")
     want = {"a_scales": (a_scales, (m, k // BLOCK)), "w_scales": (w_scales, (g, n // BLOCK, k // BLOCK))}
     for name, (t, shape) in want.items():
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
