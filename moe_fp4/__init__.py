@@ -4,7 +4,8 @@ Submodules:
   formats  the numeric spec (plain PyTorch): element codecs, MX/NVFP4/FP8-blockwise quantization
   ops      native CUDA ops over csrc/, falling back to formats on CPU or without a build
   ep       expert-parallel dispatch/combine with byte-row payloads
-  moe      the MoE layer on FP8 grouped GEMMs with an MXFP4 activation cache
+  moe      pieces of the MoE layer: the MXFP4 cache of activations saved for backward and the
+           experts' FP8 grouped GEMM (no router or layer module yet)
   recipes  dense-layer recipes (MXFP8, NVFP4, MXFP4, FP8 blockwise), QuantLinear, autocast
 """
 

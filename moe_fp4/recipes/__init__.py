@@ -4,20 +4,20 @@
   hadamard      the 16x16 random Hadamard transform (one fixed seed) of the wgrad inputs
   quant_linear  QuantLinear (drop-in nn.Linear) and its autograd Function
   fp8_linear    QuantLinear's real FP8 path for FP8BlockwiseRecipe: each tensor quantized in one pass
-  autocast      ``moe_fp4.autocast(recipe)``, ``convert_linears``, ``set_recipe``
+  context       ``moe_fp4.autocast(recipe)`` and ``current_recipe``: the recipe of the enclosing block
+  autocast      ``convert_linears``, ``set_recipe``: put a model's linear layers on a recipe
   compiled      the operand quantizers (the spec's quantize -> dequantize), compiled on CUDA
 """
 
 from moe_fp4.recipes.autocast import (
     DEFAULT_HIGH_PRECISION,
     ConvertReport,
-    autocast,
     convert_linears,
-    current_recipe,
     find_blocks,
     set_recipe,
 )
 from moe_fp4.recipes.compiled import QUANTIZERS, compiled_status
+from moe_fp4.recipes.context import autocast, current_recipe
 from moe_fp4.recipes.fp8_linear import FP8LinearFunction
 from moe_fp4.recipes.hadamard import RHT_SEED, RHT_SIZE, apply_rht, hadamard_matrix, random_hadamard_matrix
 from moe_fp4.recipes.quant_linear import QuantLinear, QuantLinearFunction

@@ -19,42 +19,20 @@ Late switch to a BF16 forward (the NVFP4 report): for the last part of training,
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 from collections.abc import Iterable
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from moe_fp4.recipes.context import autocast, current_recipe
 from moe_fp4.recipes.quant_linear import QuantLinear
 from moe_fp4.recipes.recipes import Recipe
 
-# None outside any autocast block; else a 1-tuple holding the block's recipe (None: high precision).
-_ACTIVE: ContextVar[tuple[Recipe | None] | None] = ContextVar("moe_fp4_autocast", default=None)
-
-
-@contextlib.contextmanager
-def autocast(recipe: Recipe | None = None, *, enabled: bool = True):
-    """Within the block every QuantLinear runs ``recipe``; with ``enabled=False`` (or recipe None)
-    they run in high precision. Blocks nest; the innermost wins. Layers that ``convert_linears``
-    kept as ``nn.Linear`` are not affected."""
-    if recipe is not None and not isinstance(recipe, Recipe):
-        raise ValueError(f"recipe: expected a moe_fp4.recipes Recipe or None, got {type(recipe).__name__}")
-    if not isinstance(enabled, bool):
-        raise ValueError(f"enabled: expected a bool, got {enabled!r}")
-    token = _ACTIVE.set((recipe if enabled else None,))
-    try:
-        yield recipe if enabled else None
-    finally:
-        _ACTIVE.reset(token)
-
-
-def current_recipe(default: Recipe | None = None) -> Recipe | None:
-    """The recipe of the innermost enclosing ``autocast`` block, else ``default``."""
-    active = _ACTIVE.get()
-    return default if active is None else active[0]
-
+__all__ = [
+    "DEFAULT_HIGH_PRECISION", "ConvertReport", "autocast", "convert_linears", "current_recipe",
+    "find_blocks", "set_recipe",
+]
 
 DEFAULT_HIGH_PRECISION = ("lm_head", "head", "output", "output_layer", "classifier")
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moe_fp4.recipes import fp8_linear
+from moe_fp4.recipes.context import current_recipe
 from moe_fp4.recipes.recipes import Recipe
 
 
@@ -123,8 +124,6 @@ class QuantLinear(nn.Linear):
         return self._generators[key]
 
     def active_recipe(self) -> Recipe | None:
-        from moe_fp4.recipes.autocast import current_recipe
-
         return current_recipe(self.recipe)
 
     def check_recipe(self, recipe: Recipe) -> None:
