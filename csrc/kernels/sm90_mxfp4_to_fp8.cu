@@ -1239,9 +1239,10 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
 // The tensor map of the one-pass kernel's tile stores: the output [H, N] (row stride out_stride) viewed as
 // [8 (c % 8)][H / 8 (c / 8)][N bytes], boxes of [8][32][128] with the 128-byte swizzle (tile_slot<true>).
 // False (the threads store the tiles) without the driver's encoder, for an output the map cannot
-// describe (not 16-byte aligned), or with MOE_FP4_COLUMN_BOX_STORE=0 in the environment (read at each
-// launch: compute-sanitizer's initcheck does not see the copy engine's writes and reports every byte
-// of them as uninitialized when read).
+// describe (not 16-byte aligned), or with MOE_FP4_COLUMN_BOX_STORE=0 in the environment (for
+// compute-sanitizer's initcheck, which does not see the copy engine's writes and reports every byte of
+// them as uninitialized when read). Read at each launch, not cached: a process may switch it, as the
+// GPU test that checks both store paths against the spec does; a getenv is small beside the launch.
 bool output_box_map(const Mxfp4ToFp8ColsParams& p, CUtensorMap& map) {
   const char* env = std::getenv("MOE_FP4_COLUMN_BOX_STORE");
   if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
@@ -1332,15 +1333,19 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     }
     CUtensorMap out_box{};
     const bool box_store = output_box_map(p, out_box);
-    auto launch = [&](auto kernel) {
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
+    auto launch = [&](auto kernel) -> cudaError_t {
+      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
+      if (err != cudaSuccess) {
+        (void)cudaGetLastError();  // returned to the caller, not left behind for the next launch check
+        return err;
+      }
       kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
           p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)), hints, out_box, box_store);
+      return cudaGetLastError();
     };
     const bool at_offsets = p.segments.offsets != nullptr;
-    if (vec4) at_offsets ? launch(sm90_cols_tile_kernel<true, true>) : launch(sm90_cols_tile_kernel<true, false>);
-    else at_offsets ? launch(sm90_cols_tile_kernel<false, true>) : launch(sm90_cols_tile_kernel<false, false>);
-    return cudaGetLastError();
+    if (vec4) return at_offsets ? launch(sm90_cols_tile_kernel<true, true>) : launch(sm90_cols_tile_kernel<true, false>);
+    return at_offsets ? launch(sm90_cols_tile_kernel<false, true>) : launch(sm90_cols_tile_kernel<false, false>);
   }
   // Pass 1: every row's group and the groups' scales and records; pass 2: the output. Each starts
   // while the previous kernel ends (programmatic dependent launch).

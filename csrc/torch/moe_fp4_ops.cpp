@@ -162,11 +162,8 @@ void quantize_mxfp4_rows_into(const Tensor& x, bool round_up, Tensor& out, const
   check_launch(moe_fp4::launch_quantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "quantize_mxfp4_rows");
 }
 
-// dests: uint8 [R_d, width] tensors of ref's GPU with contiguous rows (a peer's symmetric-memory
-// buffer mapped on this GPU is one); rows int64 [T, D] on ref's device, D = len(dests),
-// at most kMaxRowDestinations. Row rows[t, d] of dests[d] receives token t's row (skipped when
-// negative or >= R_d).
-// (name passed at run time: the MOE_FP4_CHECK_* macros need a literal)
+// t on ref's device with dtype `dtype` (a function, not a MOE_FP4_CHECK_* macro: those need the
+// argument's name as a literal, and these helpers get it at run time).
 void check_device_dtype(const Tensor& t, const Tensor& ref, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.device() == ref.device(), name, ": expected device ", ref.device(), ", got ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, name, ": expected dtype ", dtype, ", got ", t.scalar_type());
@@ -194,6 +191,10 @@ void check_fp8_rows_output(const Tensor& out, const Tensor& out_scales, const Te
               out_scales.sizes());
 }
 
+// dests: uint8 [R_d, width] tensors of ref's GPU with contiguous rows (a peer's symmetric-memory
+// buffer mapped on this GPU is one); rows int64 [T, D] on ref's device, D = len(dests),
+// at most kMaxRowDestinations. Row rows[t, d] of dests[d] receives token t's row (skipped when
+// negative or >= R_d).
 moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, const Tensor& rows, const Tensor& ref,
                                           int64_t tokens, int64_t width, int64_t max_blocks) {
   TORCH_CHECK(max_blocks >= 0 && max_blocks <= (1LL << 30), "max_blocks: expected 0 (no limit) or a block count, got ",
@@ -383,14 +384,6 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& row
                          split_lens, split_offsets);
 }
 
-// packed uint8 [N, H/2], scales uint8 [N, H/32], split_lens [E] (and offsets) -> (e4m3 [H, N],
-// float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller, and so
-// is the choice of path: one pass (each group's columns written as they are converted) or two passes
-// (scales first, then whole aligned 16-byte pieces; for segments that start off a 16-row boundary);
-// full_groups: the segments are back to back from row 0 with lengths that are multiples of 128;
-// host_splits (CPU int64 [2, E], optional): the segments' lengths and first rows as the caller read
-// them; the launcher derives each scale group's rows from them, so that the one-pass kernel loads a
-// group's rows before its own look-up (checked against it: wrong splits cost time, not bytes).
 // A CPU int64 [2, E] tensor of segment lengths and first rows, contiguous.
 Tensor checked_host_splits(const Tensor& splits) {
   TORCH_CHECK(splits.device().is_cpu() && splits.scalar_type() == at::kLong && splits.dim() == 2 && splits.size(0) == 2,
@@ -415,6 +408,14 @@ Tensor column_group_table(const Tensor& host_splits) {
   return out;
 }
 
+// packed uint8 [N, H/2], scales uint8 [N, H/32], split_lens [E] (and offsets) -> (e4m3 [H, N],
+// float32 [H, G], int64 group_offsets [E + 1]); G = sum ceil(len/128) is given by the caller, and so
+// is the choice of path: one pass (each group's columns written as they are converted) or two passes
+// (scales first, then whole aligned 16-byte pieces; for segments that start off a 16-row boundary);
+// full_groups: the segments are back to back from row 0 with lengths that are multiples of 128;
+// host_splits (CPU int64 [2, E], optional): the segments' lengths and first rows as the caller read
+// them; the launcher derives each scale group's rows from them, so that the one-pass kernel loads a
+// group's rows before its own look-up (checked against it: wrong splits cost time, not bytes).
 std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
                                                      const std::optional<Tensor>& split_offsets,
