@@ -268,8 +268,7 @@ __host__ __device__ constexpr uint32_t e4m3_of_e2m1_times_pow2(int c, int k) {
 // memory by the kernels that convert per element). In global memory, not the constant bank: the
 // threads read different words, which one coalesced load brings at once and the constant cache
 // serves one after another (the tile kernel's copy, before its row loads, held back its first two
-// warps; H200, 32 equal experts at 32768 x 7168: 112.8-113.1 against 113.7-114.1 us with the copy
-// moved into step 2 and loaded from here; the tile kernel now copies it only when a lane needs it).
+// warps; the tile kernel now copies it only when a lane needs it).
 struct KTable {
   uint32_t word[kColKRows * 2];
 };
@@ -408,9 +407,9 @@ __device__ __forceinline__ void load_lane_row(const Mxfp4ToFp8ColsParams& p, con
 // largest finite byte of the 8, or 5 when there is none, never 0xFF; then their minimum and maximum)
 // and, for the first 256 columns, each row's group. The group's first row and row count come from the
 // prepare kernel's group_rows.
-// H200, 32 experts at 32768 x 7168, both passes: 198.6 against 207.2 us ragged (16-bit keys, ten byte
-// permutes per word), 194.1 against 203.3 with equal experts. 48 registers keep 5 CTAs per SM;
-// an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) took 206.4.
+// Byte keys rather than 16-bit ones (ten byte permutes per word) measured faster; 48 registers keep 5
+// CTAs per SM; an epilogue of one thread per column over all 8 warps (in place of warp 0 alone) was
+// slower.
 constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
 constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
 
@@ -519,23 +518,21 @@ __global__ void __launch_bounds__(kThreads, 5)
 // ---- FP4RowToFP8Col as CTA tiles: one CTA per (scale group, 256 hidden columns). ----
 // Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a time);
 // with full_groups, or a group table from the caller (GroupHints), the other warps do not wait for it
-// (step 1 runs on the rows loaded early, and the look-up is checked at step 1's barrier; H200, 32
-// equal experts at 32768 x 7168, together with the CTA index divided by multiply and shifts: 112.1
-// against 117.3 us; with the table, lengths multiples of 32: 125-128 -> 113-118 us).
+// (step 1 runs on the rows loaded early, and the look-up is checked at step 1's barrier, so the
+// loads do not wait for the look-up).
 // Warp w loads rows 16 w .. 16 w + 15 of the group as coalesced 128-byte row pieces (lane l: the 4
 // packed bytes of hidden columns 8 l .. 8 l + 7, all in one MX block, and that block's scale byte); no
 // staging. Then:
-//   1. column maxima of the lane's 16 rows as byte keys (step 1 above), met in shared memory (H200, 32
-//      equal experts at 32768 x 7168: 140.1 against 145.5 us with 16-bit keys);
+//   1. column maxima of the lane's 16 rows as byte keys (step 1 above; fewer permutes than 16-bit
+//      keys), met in shared memory;
 //   2. thread t takes column t's maximum over the 8 warps, its FP8 scale byte (written as the FP32
-//      scale: the CTA's 256 scales are 1 KB in one piece of the outer-dim-major [H, G]; H200: 117.6
-//      against 127.3 us with [H, G] row-major, 4 bytes every 4 G) and whether the column is all zero;
-//      the 8 threads of lane l's columns then build that lane's step-3 setup by shuffles (H200: 130.9
-//      against 140.0 us, with the raw PRMT look-ups, when every lane built it from the 8 columns'
-//      bytes after the barrier);
+//      scale: the CTA's 256 scales are 1 KB in one piece of the outer-dim-major [H, G], where a
+//      row-major [H, G] would take 4-byte stores 4 G bytes apart) and whether the column is all zero;
+//      the 8 threads of lane l's columns then build that lane's step-3 setup by shuffles (once per
+//      column, not by every lane from the 8 columns' bytes after the barrier);
 //   3. each lane converts its 16 rows x 8 columns by the byte formula base(c) + 8 (S - sb), testing
-//      the shifts as it goes (their bytes ORed; H200: 127.4 against 131.6 us, when each row's scale
-//      range was tracked in step 1), or, when a shift leaves E4M3's normal range, loads its rows again
+//      the shifts as it goes (their bytes ORed, so step 1 need not track each row's scale range),
+//      or, when a shift leaves E4M3's normal range, loads its rows again
 //      and converts per element through the table; it transposes them 4x4 in registers and stores
 //      16 bytes per column into a [256 column][128 row] E4M3 tile in shared memory (16-byte slots
 //      XOR-swizzled by column);
@@ -665,10 +662,9 @@ __device__ __forceinline__ void window_rows_per_element(uint8_t* tile, const uin
 }
 
 // The one-pass kernel's zero pass with offsets splits each 32-row window's output rows into this many
-// tasks (a warp each): about 8192 tasks in all, so that few rows still get many warps (H200, 32
-// segments at 32-row offsets with gaps, 4096 x 7168: 54 against 25 us as one warp per window, its 448
-// stores in series) and many rows do not spend a warp per (window, 256 output rows) on the windows'
-// look-ups (32768 x 7168: 140 against 123 us).
+// tasks (a warp each): about 8192 tasks in all, so that few rows still get many warps (one warp per
+// window would store its output rows in series) and many rows do not spend a warp per (window, 256
+// output rows) on the windows' look-ups.
 // windows >= 1: the launcher returns before it for an input without rows.
 __host__ __device__ inline int zero_hsplit(long long windows, int chunks) {
   const long long want = (8192 + windows - 1) / windows;
@@ -696,8 +692,8 @@ struct GroupHints {
 
 // 4 CTAs per SM (64 registers) with word loads; 2 with byte loads, which spill at 3 (the binding sends
 // them only one-row views with an odd stride). kAtOffsets: the segments have offsets (an instance of
-// its own, so that the back-to-back path keeps its code: H200, 32 equal experts at 32768 x 7168,
-// 113.4-113.6 against 115.2-115.3 us with the offsets' zero pass and 32-row fill compiled in).
+// its own, so that the back-to-back path keeps its code: compiling the offsets' zero pass and 32-row
+// fill into it slowed it down).
 template <bool kVec4, bool kAtOffsets>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups, const GroupHints hints,
@@ -717,16 +713,16 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int chunks = (p.hidden + kTileCols - 1) / kTileCols;
   // Column raster: consecutive CTAs take consecutive groups of one 256-column chunk, so that the CTAs
-  // running at once write long runs of each output row (H200, 32768 x 7168: 149.5 against 153.8 us
-  // with consecutive chunks of one group). CTAs past the tiles (row zeroing) take no group, and their
+  // running at once write long runs of each output row (rather than consecutive chunks of one
+  // group). CTAs past the tiles (row zeroing) take no group, and their
   // chunk index stays at `chunks` (no column arithmetic past the hidden size).
   const int ch = p.num_groups > 0 ? min(static_cast<int>(div_u32(blockIdx.x, by_groups)), chunks) : chunks;
   const int g = ch < chunks ? static_cast<int>(blockIdx.x - static_cast<long long>(ch) * p.num_groups) : INT_MAX;
   // Each warp's 16 rows of the group starting at row r0 with n rows (lane: 4 packed bytes, 8 columns of
   // one MX block, and that block's scale byte). With full_groups (segments back to back from row 0,
   // lengths multiples of 128) the group's rows are known before the look-up: they are loaded while
-  // warp 0 runs it (H200, 32 equal experts at 32768 x 7168: 144.9 against 150.0 us), and again after
-  // it only if it disagrees. Without, a speculative load at 128 g costs 15% when it misses.
+  // warp 0 runs it, and again after it only if it disagrees. Without, a load at 128 g would be a
+  // guess, and a wasted load when it misses.
   const int c8 = ch * kTileCols + 8 * lane;  // this lane's first hidden column
   const bool active = c8 < p.hidden;
   const int rbase = 16 * warp;               // this warp's first row of the group
@@ -760,8 +756,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   // Full groups back to back (every length a multiple of 128): group g is rows [128 g, 128 g + 128)
   // if g < G, and the segments cover 128 G rows; a vote on the lengths and a sum of their groups
   // check the flag and give G, without the prefix's dependent shuffles (block 0 takes the prefix for
-  // the group offsets; a flag the lengths disagree with takes it too). H200, 32 equal experts at
-  // 32768 x 7168: 111.9-112.2 against 112.7-113.2 us.
+  // the group offsets; a flag the lengths disagree with takes it too).
   bool looked_up = false;
   if (!kAtOffsets && p.full_groups && blockIdx.x != 0 && warp == 0) {
     long long part = 0;  // this lane's groups
@@ -854,8 +849,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       }
     } else {
       // k[0]'s byte 0 is always zero (its keys sit in bytes 1 and 3): it carries the largest scale
-      // byte, for step 2 (H200, 32 equal experts at 32768 x 7168: 111.1-111.3 against 111.8-112.1 us
-      // with two ballots and per-warp flags in shared memory).
+      // byte, for step 2 (no ballots or per-warp flags in shared memory).
       keys[warp * 32 + lane] = make_uint4(k[0] | sall, k[1], k[2], k[3]);
     }
   };
@@ -887,14 +881,13 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     // Rows of the output this CTA writes in step 4. With segments at offsets that all start on multiples
     // of 32, the rows from a segment's end to the next multiple of 32 lie outside every segment: the
     // group that ends there writes them too, as the zeros its tile holds past its rows, so that its last
-    // 32-byte sector is whole (the zero pass below leaves them; H200, 32 segments at 32-row offsets
-    // with gaps under 32 rows, 32256 x 7168: 313-324 us when a warp per row wrote those bytes one by
-    // one, 120 us with this fill and the windowed pass).
+    // 32-byte sector is whole (the zero pass below leaves them; a warp per row writing those bytes one
+    // by one cost more than the conversion).
     const int stored = kAtOffsets && s_fill32 ? static_cast<int>(min((row0 + cnt + 31LL) & ~31LL, p.rows) - row0) : cnt;
     // Step 4 as one tensor copy of the tile when its box holds exactly these rows (128 of them, or the
     // last rows of the input: the copy stops at N) and they start on a 16-byte boundary (copies at
-    // other rows stopped the kernel with an illegal-instruction error). H200, 32 equal experts at
-    // 32768 x 7168: 107.3-107.5 against 110.1-110.3 us with the threads' 16-byte stores.
+    // other rows stopped the kernel with an illegal-instruction error): the tile's way out of the SM is
+    // what bounds the kernel, and one copy takes it faster than the threads' 16-byte stores.
     const bool boxed = box_store && stored == cnt && (row0 & 15) == 0 && (cnt == kTileRows || row0 + cnt == p.rows);
     // 2. Column tid: lane tid / 8 of each warp, key tid % 8.
     {
@@ -999,9 +992,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     }
     if (__syncthreads_or(!fast)) {  // CTA-uniform, rare
       // Per element through the table (subnormal results, underflow, saturated or NaN columns), for
-      // the lanes the fast formula does not cover. The table is copied only here (H200, 32 equal experts
-      // at 32768 x 7168: 110.2-110.3 against 111.1-111.4 us with its copy in step 2 of every CTA); the
-      // rows are loaded again (from the L2): the fast attempt did not keep them.
+      // the lanes the fast formula does not cover. The table is copied only here, not in step 2 of
+      // every CTA; the rows are loaded again (from the L2): the fast attempt did not keep them.
       if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = __ldg(&kKTable.word[tid]);
       __syncthreads();
       if (!fast) {
@@ -1030,8 +1022,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
   if (!kAtOffsets) {
     // Back to back: rows [covered, N) are outside, bytes [covered, N) of every output row; a warp per
-    // output row, whole 16-byte pieces between the ends (H200, one 128-row expert in 32768 rows x
-    // 7168: 3.3 ms with a warp per input row storing single bytes 7168 rows apart).
+    // output row, whole 16-byte pieces between the ends (not a warp per input row storing single bytes
+    // H apart).
     const bool al = ((reinterpret_cast<uintptr_t>(p.out) | static_cast<uintptr_t>(p.out_stride)) & 15) == 0;
     const long long a = al ? (covered + 15) & ~15LL : p.rows, e = al ? p.rows & ~15LL : p.rows;
     for (long long hr = gwarp; hr < p.hidden; hr += num_warps) {
@@ -1045,8 +1037,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   // At offsets: a warp per (32-row window, part of the output rows), which finds the window's rows to
   // zero (outside every segment and, with s_fill32, past every segment's filled end; each lane takes a
   // segment's rows in the window as a bit mask, ORed over the warp) and writes them in its output rows,
-  // by whole 16-byte pieces where they cover one. H200, 32 segments at 32-row offsets with gaps: 4096
-  // x 7168, 170 us as a warp per row storing its bytes 7168 rows apart.
+  // by whole 16-byte pieces where they cover one (not a warp per row storing its bytes H rows apart).
   const bool fill32 = s_fill32;
   const bool al = ((reinterpret_cast<uintptr_t>(p.out) | static_cast<uintptr_t>(p.out_stride)) & 15) == 0;
   const long long windows32 = (p.rows + 31) / 32;
@@ -1100,11 +1091,10 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
 // records of the groups of its first and last rows (a warp whose rows meet a third group, possible
 // only with groups shorter than 16 rows, converts per element with each row's own record). Windows
 // run last first: the rows the first pass read last may still be in the L2.
-// 4 CTAs per SM (64 registers) with word loads (H200, ragged 32768 x 7168: 207 against 213 us for both
-// passes at 3); 2 for byte loads, which would spill at 3 (the binding sends them only one-row views
-// with an odd stride). Full windows load their rows without a test per row, and each warp takes its
-// rows' groups by ballots (ragged: 174.5 against 182.0 us for both passes; the per-row tests cost
-// about 300 instructions per thread).
+// 4 CTAs per SM (64 registers) with word loads (more loads in flight than at 3); 2 for byte loads,
+// which would spill at 3 (the binding sends them only one-row views with an odd stride). Full windows
+// load their rows without a test per row, and each warp takes its rows' groups by ballots (the per-row
+// tests cost about 300 instructions per thread).
 template <bool kVec4>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
     sm90_cols_window_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_windows) {
@@ -1113,7 +1103,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const long long n = p.rows;
   const long long windows = (n + kTileRows - 1) / kTileRows;
-  // Column raster, as the one-pass kernel (ragged 32768 x 7168: 212 against 218.5 us).
+  // Column raster, as the one-pass kernel.
   const int ch = static_cast<int>(div_u32(blockIdx.x, by_windows));
   const long long v = blockIdx.x - static_cast<long long>(ch) * windows;
   const long long row0 = (windows - 1 - v) * kTileRows;
@@ -1141,8 +1131,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
       }
     }
   }
-  // The per-element path's table, copied while the rows are in flight (H200, ragged 32768 x 7168:
-  // 162.0 against 163.8 us for both passes with its barrier before the loads).
+  // The per-element path's table, copied while the rows are in flight (its barrier after the loads
+  // are issued, so they do not wait for it).
   if (tid < kColKRows * 2) reinterpret_cast<uint32_t*>(ktable)[tid] = __ldg(&kKTable.word[tid]);
   __syncthreads();
   grid_wait();  // the rows are in flight; the groups and records come from the scale kernel
@@ -1172,7 +1162,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
                 mx_b - mn_b <= 15u;
     // Every row's S - byte + 5 in [0, 15] for both records' bytes: the rows' smallest and largest
     // scale bytes against both records' ranges (conservative when the warp's rows meet two groups;
-    // H200, ragged 32768 x 7168: 181.4 against 192.1 us for both passes, with a test per row).
+    // one test for the warp's rows, not one per row).
     uint32_t smn = 255u, smx = 0u;
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
@@ -1224,8 +1214,8 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
 cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
   const bool vec8 = ((p.packed_stride & 7) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 7) == 0);
-  // One row per warp and the hardware's block scheduler, not a persistent grid: with 7-8 rows per
-  // persistent warp at 32768 tokens the warps holding 8 finished last (H200: 105.6 -> 99.9 us).
+  // One row per warp and the hardware's block scheduler, not a persistent grid: with a few rows per
+  // persistent warp the warps holding one more row finish last.
   const long long blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
   const int grid = static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30));  // the kernel strides past it
   if (vec8) {
@@ -1312,8 +1302,8 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   if (!two_pass) {
     long long blocks = p.num_groups * chunks;
     // Rows outside every segment are zeroed by a grid-stride loop over warps after the tiles: a warp
-    // per zero task with offsets (zero_hsplit), per output row without, at least (with few groups,
-    // e.g. none in 256 rows, one CTA took 2 ms for them).
+    // per zero task with offsets (zero_hsplit), per output row without, at least (a grid sized by the
+    // groups alone leaves one CTA for all of them when there are few groups).
     const long long windows32 = (p.rows + 31) / 32;
     const long long zero_warps =
         p.segments.offsets != nullptr ? windows32 * zero_hsplit(windows32, static_cast<int>(chunks)) : p.hidden;
@@ -1321,7 +1311,7 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
     if (blocks < 1) blocks = 1;
     GroupHints hints;
     hints.num = 0;
-    if (p.host_splits != nullptr && p.rows <= INT_MAX) {  // the table from the caller's host splits (about 1 us for 300 groups)
+    if (p.host_splits != nullptr && p.rows <= INT_MAX) {  // the table from the caller's host splits
       int n = 0;
       const long long groups = column_groups_of(p.host_splits, p.host_splits + p.num_host_splits, p.num_host_splits,
                                                 [&](long long first, long long count) {

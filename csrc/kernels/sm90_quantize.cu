@@ -191,9 +191,8 @@ __device__ __forceinline__ unsigned destination_mask(const RowDestinations& ds, 
 }
 
 // One warp copies a row staged in shared memory (16-byte aligned) to dst, in the widest accesses dst
-// allows: 16-byte stores reach a peer over NVLink as whole packets (the fused MXFP4 push writing each
-// row piecewise from registers, 8 code bytes and 1 scale byte per lane, took 295 us for 16384
-// DeepSeek-V3 tokens to 2 H200s; staged, 270 us, in a run on another machine of the same type).
+// allows: 16-byte stores reach a peer over NVLink as whole packets, where a row written piecewise from
+// registers (8 code bytes and 1 scale byte per lane) goes out in small ones.
 __device__ __forceinline__ void store_staged_row(const uint8_t* row, uint8_t* dst, long long bytes, int lane) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | static_cast<uintptr_t>(bytes);
   if ((a & 15) == 0) {
@@ -236,8 +235,8 @@ __device__ __forceinline__ void wait_staged_row_free(const RowDestinations& ds, 
 
 // Token t's staged row (complete in shared memory) to every destination that takes it: plain 16-byte
 // stores by the warp, or bulk copies issued by lane 0 (asynchronous: the warp goes on to the next
-// token while the copy engine writes, peers' rows over NVLink; measured no faster on 2 H200s, 319 vs
-// 295 us for the MXFP4 push of 16384 DeepSeek-V3 tokens, so the caller's default is the stores).
+// token while the copy engine writes, peers' rows over NVLink; they measured no faster, so the
+// caller's default is the stores).
 // Returns the next phase.
 __device__ __forceinline__ int push_staged_row(const RowDestinations& ds, long long t, const uint8_t* staged, int lane,
                                                int phase) {
@@ -361,7 +360,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
       // The step's 64 items have 32 scale bytes, srow[base / 2 .. base / 2 + 31]: byte b of them comes
       // from lane 2b of the first item (b < 16) or 2 (b - 16) of the second, and lane b stores it. One
       // byte store by all 32 lanes (a whole 32-byte sector of a row's scales for H % 1024 == 0), not
-      // two by 16 lanes each: 155.2 -> 153.8 us at 32768 x 7168 on an H200 (89.6 -> 90.5% of copy).
+      // two by 16 lanes each (half-sector writes).
       {
         const uint32_t first = __shfl_sync(0xFFFFFFFFu, sbs[0], (2 * lane) & 31);
         const uint32_t second = __shfl_sync(0xFFFFFFFFu, sbs[1], (2 * lane) & 31);
@@ -516,8 +515,8 @@ cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long l
 }
 
 // One work unit (a row, or a part of one) per warp and the hardware's block scheduler, not a
-// persistent grid: with 6-7 rows per persistent warp at 32768 tokens the warps holding 7 finished last
-// (BF16ToFP4Row on an H200, H 7168: 161.5 -> 154.7 us). Past 2^30 blocks the warps stride over the rest.
+// persistent grid: with a few rows per persistent warp the warps holding one more row finish last.
+// Past 2^30 blocks the warps stride over the rest.
 int grid_one_per_warp(long long units) {
   const long long blocks = (units + kThreads / 32 - 1) / (kThreads / 32);
   return static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30));
@@ -566,7 +565,7 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
       } else {
         auto k = p.round_up ? sm90_quantize_mxfp4_bf16_kernel<true, false> : sm90_quantize_mxfp4_bf16_kernel<false, false>;
         // One row per warp (splitting rows into 1024-element chunks, one per warp as the FP8 1x128
-        // quantizer does, was slower here: 155.4 -> 160.6 us at 32768 tokens, 21.8 -> 24.0 at 4096).
+        // quantizer does, measured slower for this kernel).
         k<<<grid_one_per_warp(p.tokens), kThreads, 0, stream>>>(p);
       }
       break;
@@ -592,10 +591,10 @@ cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream
     if (err != cudaSuccess) return err;
     return cudaGetLastError();
   }
-  // One chunk of 32 * kUnroll items (1024 elements) per warp, on the hardware block scheduler: on an
-  // H200 at H 7168, 189.8 -> 182.3 us at 32768 tokens and 26.0 -> 24.8 us at 4096 against one row
-  // per warp (at 4096 tokens: 4096 warps for 8448 warp slots); splitting rows only while they are
-  // fewer than twice the slots was slower than this at every size from 4096 tokens up.
+  // One chunk of 32 * kUnroll items (1024 elements) per warp, on the hardware block scheduler: one row
+  // per warp leaves warp slots empty at small token counts (4096 rows fill half of an H200's), and
+  // the chunks measured faster at every size; splitting rows only while they are fewer than twice the
+  // slots measured slower than always splitting.
   QuantizeFp8Params q = p;
   q.row_parts = (p.hidden / 8 + 32 * kUnroll - 1) / (32 * kUnroll);
   const long long units = p.tokens * q.row_parts;
