@@ -99,3 +99,175 @@ def test_grouped_gemm_bad_arguments():
         args = dict(a=a, a_s=a_s, w=w, w_s=w_s, offs=offs, lens=lens) | change
         with pytest.raises(ValueError, match=word):
             grouped_gemm_fp8(args["a"], args["a_s"], args["w"], args["w_s"], args["offs"], args["lens"])
+
+
+def _cols_float64(cols, scales, lo, hi, base):
+    blocks = -(-(hi - lo) // 128)
+    s = scales[:, base:base + blocks].double().repeat_interleave(128, dim=1)[:, :hi - lo]
+    return cols[:, lo:hi].double() * s
+
+
+def _wgrad_case(lens, seed, h=256, n=384):
+    """Aligned groups (starts on multiples of 128, gaps after ragged ends) of dy [M, n] and x [M, h]."""
+    offsets, at = [], 0
+    for c in lens:
+        offsets.append(at)
+        at += -(-c // 128) * 128
+    m = at + 128
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-5, 5, (m, 1), generator=gen).float())
+    dy = (torch.randn(m, n, generator=gen) * scale).bfloat16()
+    x = (torch.randn(m, h, generator=gen) / scale).bfloat16()
+    return dy, x, offsets, m
+
+
+@pytest.mark.parametrize("lens", [[130, 0, 256, 1], [5, 300], [0, 0, 0]])
+def test_wgrad_matches_float64(lens):
+    from moe_fp4 import ops
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+
+    dy, x, offsets, m = _wgrad_case(lens, SEED + sum(lens))
+    _, _, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy)
+    _, _, x_t, x_ts = ops.quantize_fp8_rows_cols(x)
+    offs, ls = torch.tensor(offsets), torch.tensor(lens)
+    out = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls)
+    assert out.dtype == torch.float32 and out.shape == (len(lens), dy.shape[1], x.shape[1])
+    for e, (o, c) in enumerate(zip(offsets, lens)):
+        if c == 0:
+            assert int(out[e].count_nonzero()) == 0
+            continue
+        a = _cols_float64(dy_t, dy_ts, o, o + c, o // 128)
+        b = _cols_float64(x_t, x_ts, o, o + c, o // 128)
+        ref, mag = a @ b.t(), a.abs() @ b.abs().t()
+        err = (out[e].double() - ref).abs()
+        assert bool((err <= mag * c * 2.0 ** -23 + 1e-30).all()), f"group {e}: max error {float(err.max())}"
+        assert int(out[e].count_nonzero()) > 0
+    again = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, out=out.clone())  # accumulation
+    assert torch.equal(again, out * 2)
+
+
+def test_wgrad_mxfp4_columns_with_group_scale_offsets():
+    """The expert input's wgrad operand straight from MXFP4 rows (FP4RowToFP8Col, scales per expert)."""
+    from moe_fp4 import ops
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+
+    lens = [200, 0, 129]
+    dy, x, offsets, m = _wgrad_case(lens, SEED + 7)
+    offs, ls = torch.tensor(offsets), torch.tensor(lens)
+    packed, mx_scales = ops.quantize_mxfp4(x)
+    x_t, x_ts, goff = ops.mxfp4_rows_to_fp8_cols(packed, mx_scales, ls, offs)
+    _, _, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy)
+    out = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, b_scale_offsets=goff[:-1])
+    xd = formats.dequantize_mxfp4(packed, mx_scales).double()
+    for e, (o, c) in enumerate(zip(offsets, lens)):
+        if c == 0:
+            continue
+        a = _cols_float64(dy_t, dy_ts, o, o + c, o // 128)
+        b = _cols_float64(x_t, x_ts, o, o + c, int(goff[e]))
+        ref = a @ b.t()
+        assert float((out[e].double() - ref).abs().max()) <= float(ref.abs().max()) * 2.0 ** -18
+        # and the FP8 columns hold the MXFP4 rows within FP8's rounding
+        rel = (a @ xd[o:o + c] - ref).norm() / ref.norm()  # (dy^T x through the MXFP4 values directly)
+        assert float(rel) < 0.06
+
+
+def test_wgrad_bad_arguments():
+    from moe_fp4 import ops
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+
+    dy, x, offsets, m = _wgrad_case([130, 10], SEED)
+    _, _, a, a_s = ops.quantize_fp8_rows_cols(dy)
+    _, _, b, b_s = ops.quantize_fp8_rows_cols(x)
+    offs, lens = torch.tensor(offsets), torch.tensor([130, 10])
+    cases = [
+        (dict(offs=torch.tensor([0, 200])), "multiple of 128"),
+        (dict(a=a.float()), "a_cols"),
+        (dict(b=b[:200]), "b_cols"),
+        (dict(a_s=a_s[:, :1].double()), "a_scales"),
+        (dict(lens=torch.tensor([130, 500])), "outside"),
+        (dict(out=torch.zeros(2, 384, 128)), "out"),
+        (dict(a_base=torch.tensor([0, 5])), "a_scale_offsets"),
+        (dict(b_base=torch.tensor([0.0, 1.0])), "b_scale_offsets"),
+    ]
+    for change, word in cases:
+        args = dict(a=a, a_s=a_s, b=b, b_s=b_s, offs=offs, lens=lens, a_base=None, b_base=None, out=None) | change
+        with pytest.raises(ValueError, match=word):
+            grouped_gemm_fp8_wgrad(args["a"], args["a_s"], args["b"], args["b_s"], args["offs"], args["lens"],
+                                   a_scale_offsets=args["a_base"], b_scale_offsets=args["b_base"], out=args["out"])
+
+
+def test_dgrad_through_transposed_weight_tiles():
+    """dx = dy @ w_g through the transposed tiles of ops.quantize_fp8_tiles (a strided view, no copy)."""
+    from moe_fp4 import ops
+
+    g, n, k = 3, 256, 384
+    gen = torch.Generator().manual_seed(SEED + 11)
+    w = torch.randn(g, n, k, generator=gen) * 0.05
+    data, scales, data_t = ops.quantize_fp8_tiles(w.reshape(g * n, k))
+    w_t = data_t.view(k, g, n).permute(1, 0, 2)  # [G, K, N], unit stride along N
+    s_t = scales.view(g, n // 128, k // 128).transpose(1, 2)
+    lens, offsets = [40, 0, 77], [0, 40, 50]
+    dy = torch.randn(130, n, generator=gen)
+    d8, ds = formats.quantize_fp8_blockwise(dy)
+    out = grouped_gemm_fp8(d8, ds, w_t, s_t, torch.tensor(offsets), torch.tensor(lens))
+    wd = formats.dequantize_fp8_blockwise(data.view(g, n, k), scales.view(g, n // 128, k // 128), block=(128, 128))
+    ref, mag = torch.zeros(130, k, dtype=torch.float64), torch.zeros(130, k, dtype=torch.float64)
+    dyd = formats.dequantize_fp8_blockwise(d8, ds).double()
+    for e, (o, c) in enumerate(zip(offsets, lens)):
+        ref[o:o + c] = dyd[o:o + c] @ wd[e].double()
+        mag[o:o + c] = dyd[o:o + c].abs() @ wd[e].double().abs()
+    err = (out.double() - ref).abs()
+    assert bool((err <= ref.abs() * 2.0 ** -8 + mag * n * 2.0 ** -23).all())
+    assert int(out[127:].count_nonzero()) == 0  # rows of no group
+
+
+# The Triton kernels under the Triton interpreter (CPU), in a fresh process: Triton decides between
+# compiling and interpreting when it is imported. Small shapes; the GPU runs are in
+# test_grouped_gemm_gpu.py.
+_KERNEL_CHECK = r"""
+import torch
+from moe_fp4 import formats, ops
+from moe_fp4.moe import grouped_gemm as gg, _triton_grouped_gemm as tg
+assert tg.available(torch.zeros(1))
+torch.manual_seed(%d)
+lens, offs = [100, 0, 130, 7], [0, 128, 128, 384]
+m, k, n, g = 520, 256, 256, 4
+x = torch.randn(m, k); w = torch.randn(g, n, k) * 0.05; dy = torch.randn(m, n)
+a, a_s = formats.quantize_fp8_blockwise(x)
+wq, w_s, w_t = ops.quantize_fp8_tiles(w.reshape(g * n, k))
+wq, w_s = wq.view(g, n, k), w_s.view(g, 2, 2)
+o, l = torch.tensor(offs), torch.tensor(lens)
+out = gg.grouped_gemm_fp8(a, a_s, wq, w_s, o, l)
+ref = gg.grouped_gemm_fp8_reference(a, a_s, wq, w_s, o, l)
+assert float((out.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2 ** -7, "rows"
+assert int(out[~tg.uncovered_rows(o, l, m).logical_not()].count_nonzero()) == 0, "uncovered rows"
+d8, ds, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy)
+wt, wts = w_t.view(k, g, n).permute(1, 0, 2), w_s.transpose(1, 2)
+out = gg.grouped_gemm_fp8(d8, ds, wt, wts, o, l)
+ref = gg.grouped_gemm_fp8_reference(d8, ds, wt.contiguous(), wts.contiguous(), o, l)
+assert float((out.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2 ** -7, "dgrad"
+_, _, x_t, x_ts = ops.quantize_fp8_rows_cols(x)
+out = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l)
+ref = gg.grouped_gemm_fp8_wgrad_reference(dy_t, dy_ts, x_t, x_ts, o, l)
+assert float((out - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -18, "wgrad"
+again = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out=out.clone())
+assert torch.equal(again, out * 2), "wgrad accumulation"
+print("@ok")
+"""
+
+
+def test_triton_kernels_interpreted():
+    import importlib.util
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None or torch.cuda.is_available():
+        pytest.skip("needs Triton without a GPU (the interpreter); GPU runs are in test_grouped_gemm_gpu.py")
+    root = pathlib.Path(__file__).resolve().parent.parent
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    res = subprocess.run([sys.executable, "-c", _KERNEL_CHECK % SEED], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert "@ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]

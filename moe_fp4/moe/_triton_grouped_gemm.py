@@ -1,10 +1,20 @@
-"""The FP8 grouped GEMM in Triton: each program computes a 128 x 128 tile of one group's rows, one
-tensor-core product per 128-wide K block, each block's float32 partial scaled by the row's 1x128
-scale and the weight tile's 128x128 scale before it is added (the scales differ per K block, so they
-cannot wait for the end). The tiles of every group come from a table built on the device from the
-split offsets and lengths (no host synchronisation; sized for the worst case, unused entries -1)."""
+"""The FP8 grouped GEMMs in Triton (tensor-core products of 128-wide K blocks, each block's float32
+partial scaled and added in float32: the scales differ per K block, so they cannot wait for the end).
+
+rows kernel (fprop and dgrad): out[r] = a[r] @ b_g^T for the rows r of group g; a FP8 1x128 rows,
+  b_g [N, K] FP8 in 128x128 tiles (w_g for fprop, w_g^T for dgrad). Each program computes one
+  128 x 128 output tile; the tiles of every group come from a table built on the device from the
+  split offsets and lengths (no host synchronisation; sized for the worst case, unused entries -1).
+  The programs of one row tile are adjacent (the N tiles vary fastest), so the 128 rows of a are read
+  from memory once and then from L2 by the programs of the other N tiles.
+wgrad kernel: out[g] = a_g^T-contracted: out[g][i, j] = sum over the rows r of group g of
+  a[i, r] b[j, r]; both operands are FP8 columns (tokens along the contiguous dimension) with one
+  scale per 128 tokens of each column, the blocks anchored at the group's first row.
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -14,54 +24,94 @@ try:
 except ImportError:  # (CPU machines without Triton: the torch reference runs instead)
     triton = None
 
-BLOCK_M = 128  # with 8 warps and 5 stages: the fastest of 128/64 rows x 4/8 warps x 3-5 stages measured
+BLOCK_M = 128  # with 8 warps: one 128 x 128 float32 accumulator and one block product in registers
 BLOCK_N = 128  # one weight scale per program and K block
 BLOCK_K = 128
+ROWS_STAGES = 5
+WGRAD_STAGES = 4
 
 
 def available(t: torch.Tensor) -> bool:
-    return triton is not None and t.is_cuda
+    """Whether the Triton kernels run for tensors like ``t``: CUDA, or any device under TRITON_INTERPRET=1."""
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 if triton is not None:
 
     @triton.jit
-    def _grouped_fp8_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, w_scale_ptr, out_ptr, tile_group_ptr, tile_start_ptr,
-                                 tile_end_ptr, m, n, k, k_blocks, n_blocks,
-                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+    def _grouped_rows_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, tile_group_ptr, tile_start_ptr,
+                             tile_end_ptr, m, n, k_blocks, n_blocks,
+                             stride_am, stride_asm, stride_ask,
+                             stride_bg, stride_bn, stride_sg, stride_sn, stride_sk,
+                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_m = pid // n_blocks
+        pid_n = pid % n_blocks
         g = tl.load(tile_group_ptr + pid_m)
         if g >= 0:
             r0 = tl.load(tile_start_ptr + pid_m)
             r1 = tl.load(tile_end_ptr + pid_m)
             rows = r0 + tl.arange(0, BM)
             row_ok = (rows < r1) & (rows < m) & (rows >= 0)  # (splits are not read on the host: stay inside a)
-            rows64 = rows.to(tl.int64)
+            rows64 = tl.where(row_ok, rows, 0).to(tl.int64)
             cols = pid_n * BN + tl.arange(0, BN)
             ks = tl.arange(0, BK)
             g64 = g.to(tl.int64)
-            a_ptrs = a_ptr + rows64[:, None] * k + ks[None, :]
-            w_ptrs = w_ptr + g64 * n * k + cols.to(tl.int64)[:, None] * k + ks[None, :]
-            w_scale = w_scale_ptr + (g64 * n_blocks + pid_n) * k_blocks
+            a_ptrs = a_ptr + rows64[:, None] * stride_am + ks[None, :]
+            b_ptrs = b_ptr + g64 * stride_bg + cols.to(tl.int64)[:, None] * stride_bn + ks[None, :]
+            a_scales = a_scale_ptr + rows64 * stride_asm
+            b_scale = b_scale_ptr + g64 * stride_sg + pid_n * stride_sn
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for kb in range(0, k_blocks):
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs)
-                sa = tl.load(a_scale_ptr + rows64 * k_blocks + kb, mask=row_ok, other=0.0)
-                sw = tl.load(w_scale + kb)
-                acc += tl.dot(a, tl.trans(w)) * (sa[:, None] * sw)
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
+                sa = tl.load(a_scales + kb * stride_ask)
+                sb = tl.load(b_scale + kb * stride_sk)
+                acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
                 a_ptrs += BK
-                w_ptrs += BK
+                b_ptrs += BK
             out = out_ptr + rows64[:, None] * n + cols[None, :]
             tl.store(out, acc.to(tl.bfloat16), mask=row_ok[:, None])
+
+    @triton.jit
+    def _grouped_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr, a_base_ptr,
+                              b_base_ptr, n, kdim, n_blocks, k_blocks,
+                              stride_a, stride_asr, stride_asc, stride_b, stride_bsr, stride_bsc,
+                              ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles = n_blocks * k_blocks
+        g = pid // tiles
+        t = pid % tiles
+        pid_n = t // k_blocks
+        pid_k = t % k_blocks
+        first = tl.load(offs_ptr + g).to(tl.int64)
+        count = tl.load(lens_ptr + g).to(tl.int64)
+        base_a = tl.load(a_base_ptr + g).to(tl.int64)
+        base_b = tl.load(b_base_ptr + g).to(tl.int64)
+        rows_a = (pid_n * BM + tl.arange(0, BM)).to(tl.int64)
+        rows_b = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
+        tokens = tl.arange(0, BK)
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for j in range(0, tl.cdiv(count, BK)):
+            r = j * BK + tokens
+            ok = r < count
+            col = first + r
+            a = tl.load(a_ptr + rows_a[:, None] * stride_a + col[None, :], mask=ok[None, :], other=0.0)
+            b = tl.load(b_ptr + rows_b[:, None] * stride_b + col[None, :], mask=ok[None, :], other=0.0)
+            sa = tl.load(a_scale_ptr + rows_a * stride_asr + (base_a + j) * stride_asc)
+            sb = tl.load(b_scale_ptr + rows_b * stride_bsr + (base_b + j) * stride_bsc)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        out = out_ptr + g.to(tl.int64) * n * kdim + rows_a[:, None] * kdim + rows_b[None, :]
+        if ACCUMULATE:
+            acc += tl.load(out)
+        tl.store(out, acc)
 
 
 def tile_table(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
     """(group, first row, end row) int32 of each 128-row tile of every group, in group order, on the
     device; sized rows / 128 + G (a bound on the tiles of groups inside [0, rows)), unused entries -1."""
     g = split_lens.shape[0]
-    lens = split_lens.to(torch.int64)
+    lens = split_lens.to(torch.int64).clamp(min=0)
     tiles = (lens + BLOCK_M - 1) // BLOCK_M
     ends = torch.cumsum(tiles, 0)
     size = rows // BLOCK_M + g
@@ -74,15 +124,46 @@ def tile_table(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int)
     return (torch.where(used, gi, -1).to(torch.int32), start.to(torch.int32), end.to(torch.int32))
 
 
-def grouped_gemm_fp8(a, a_scales, w, w_scales, split_offsets, split_lens) -> torch.Tensor:
-    """As moe_fp4.moe.grouped_gemm_fp8 (arguments checked there); contiguous CUDA tensors."""
+def uncovered_rows(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
+    """bool [rows] on the device: the rows of no group (the output rows the rows kernel leaves alone)."""
+    starts = split_offsets.to(torch.int64).clamp(0, rows)
+    ends = (split_offsets.to(torch.int64) + split_lens.to(torch.int64).clamp(min=0)).clamp(0, rows)
+    edges = torch.zeros(rows + 1, dtype=torch.int32, device=split_lens.device)
+    edges.index_add_(0, starts, torch.ones_like(starts, dtype=torch.int32))
+    edges.index_add_(0, ends, torch.full_like(ends, -1, dtype=torch.int32))
+    return torch.cumsum(edges[:rows], 0) <= 0
+
+
+def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.Tensor:
+    """As moe_fp4.moe.grouped_gemm_fp8 (arguments checked there): b [G, N, K] with a unit last stride."""
     m, k = a.shape
-    g, n, _ = w.shape
-    out = torch.zeros(m, n, dtype=torch.bfloat16, device=a.device)
-    if m == 0 or g == 0:
+    g, n, _ = b.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
+    if m == 0:
+        return out
+    out.masked_fill_(uncovered_rows(split_offsets, split_lens, m).unsqueeze(1), 0)
+    if g == 0:
         return out
     group, start, end = tile_table(split_offsets, split_lens, m)
-    grid = (group.shape[0], n // BLOCK_N)
-    _grouped_fp8_gemm_kernel[grid](a, a_scales, w, w_scales, out, group, start, end, m, n, k, k // BLOCK_K,
-                                   n // BLOCK_N, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8, num_stages=5)
+    n_blocks = n // BLOCK_N
+    grid = (group.shape[0] * n_blocks,)
+    _grouped_rows_kernel[grid](a, a_scales, b, b_scales, out, group, start, end, m, n, k // BLOCK_K, n_blocks,
+                               a.stride(0), a_scales.stride(0), a_scales.stride(1),
+                               b.stride(0), b.stride(1), b_scales.stride(0), b_scales.stride(1), b_scales.stride(2),
+                               BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8, num_stages=ROWS_STAGES)
     return out
+
+
+def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b_base, out, accumulate) -> None:
+    """As moe_fp4.moe.grouped_gemm_fp8_wgrad (arguments checked there): writes out float32 [G, N, K]."""
+    g, n, kdim = out.shape
+    if g == 0:
+        return
+    n_blocks, k_blocks = n // BLOCK_M, kdim // BLOCK_N
+    grid = (g * n_blocks * k_blocks,)
+    _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, a_base, b_base,
+                                n, kdim, n_blocks, k_blocks,
+                                a.stride(0), a_scales.stride(0), a_scales.stride(1),
+                                b.stride(0), b_scales.stride(0), b_scales.stride(1),
+                                ACCUMULATE=accumulate, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8,
+                                num_stages=WGRAD_STAGES)

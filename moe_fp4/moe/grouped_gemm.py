@@ -72,6 +72,9 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w
       float32 [G, N/128, K/128] (per 128x128 tile); group g owns rows [split_offsets[g],
       split_offsets[g] + split_lens[g]) (int64 [G] on a's device: ragged, empty and gapped groups;
       groups may not overlap); rows of no group come out zero. K and N multiples of 128.
+      a needs unit strides along K (rows may be apart), w a unit stride along K (any other strides:
+      the dgrad operand w^T is a transposed view of ``ops.quantize_fp8_tiles``' ``data_t``); the
+      scales take any strides.
     validate: read the splits on the host and raise ValueError for groups outside [0, M) or
       overlapping (one host synchronisation on a GPU); False skips that (a sync-free dispatch's
       splits, a CUDA graph): the CUDA kernel then keeps every access inside a, and the result for
@@ -82,10 +85,10 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w
     if validate:
         group_bounds(split_offsets, split_lens, m)
     if _triton_grouped_gemm.available(a):
-        for name, t in (("a", a), ("a_scales", a_scales), ("w", w), ("w_scales", w_scales)):
-            if not t.is_contiguous():
-                raise ValueError(f"{name}: expected a contiguous tensor, got strides {t.stride()}")
-        return _triton_grouped_gemm.grouped_gemm_fp8(a, a_scales, w, w_scales, split_offsets, split_lens)
+        if a.stride(1) != 1 or w.stride(2) != 1:
+            bad = "a" if a.stride(1) != 1 else "w"
+            raise ValueError(f"{bad}: expected a unit stride along K, got strides {(a if bad == 'a' else w).stride()}")
+        return _triton_grouped_gemm.grouped_rows(a, a_scales, w, w_scales, split_offsets, split_lens)
     return grouped_gemm_fp8_reference(a, a_scales, w, w_scales, split_offsets, split_lens)
 
 
@@ -104,4 +107,135 @@ def grouped_gemm_fp8_reference(a: torch.Tensor, a_scales: torch.Tensor, w: torch
     return out
 
 
-__all__ = ["check_grouped_gemm_args", "group_bounds", "grouped_gemm_fp8", "grouped_gemm_fp8_reference"]
+def _cols_operand(t, scales, name, scales_name):
+    check_tensor(t, name, dtypes=(FP8,), dim=2)
+    check_multiple(t.shape[0], BLOCK, name, "first dimension")
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 2 \
+            or scales.shape[0] != t.shape[0]:
+        raise ValueError(f"{scales_name}: expected float32 [{t.shape[0]}, blocks], got {_describe(scales)}")
+
+
+def _scale_offsets(offsets, split_offsets, g, name, device):
+    if offsets is None:
+        return torch.div(split_offsets.to(torch.int64), BLOCK, rounding_mode="floor")
+    if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
+            or tuple(offsets.shape) != (g,) or offsets.device != device:
+        raise ValueError(f"{name}: expected an int64 tensor [{g}] on {device}, got {_describe(offsets)}")
+    return offsets
+
+
+def check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
+                     b_scale_offsets, out) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+    """ValueError naming the argument unless the operands fit; returns (G, N, K, a_base, b_base)."""
+    _cols_operand(a_cols, a_scales, "a_cols", "a_scales")
+    _cols_operand(b_cols, b_scales, "b_cols", "b_scales")
+    n, kdim = a_cols.shape[0], b_cols.shape[0]
+    for name, t in (("split_offsets", split_offsets), ("split_lens", split_lens)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32) or t.dim() != 1 \
+                or t.shape[0] != split_lens.shape[0]:
+            raise ValueError(f"{name}: expected an int64 tensor [G], got {_describe(t)}")
+    g = split_lens.shape[0]
+    dev = a_cols.device
+    for name, t in (("a_scales", a_scales), ("b_cols", b_cols), ("b_scales", b_scales),
+                    ("split_offsets", split_offsets), ("split_lens", split_lens)):
+        if t.device != dev:
+            raise ValueError(f"{name}: expected a tensor on {dev} (a_cols' device), got {t.device}")
+    a_base = _scale_offsets(a_scale_offsets, split_offsets, g, "a_scale_offsets", dev)
+    b_base = _scale_offsets(b_scale_offsets, split_offsets, g, "b_scale_offsets", dev)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
+                            or tuple(out.shape) != (g, n, kdim) or not out.is_contiguous() or out.device != dev):
+        raise ValueError(f"out: expected a contiguous float32 tensor {(g, n, kdim)} on {dev}, got {_describe(out)}")
+    return g, n, kdim, a_base, b_base
+
+
+def _validate_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
+                    b_scale_offsets, a_base, b_base):
+    tokens = min(a_cols.shape[1], b_cols.shape[1])
+    bounds = group_bounds(split_offsets, split_lens, tokens)
+    for (name, given, base, scales) in (("a_scale_offsets", a_scale_offsets, a_base, a_scales),
+                                        ("b_scale_offsets", b_scale_offsets, b_base, b_scales)):
+        for e, ((lo, hi), s) in enumerate(zip(bounds, base.tolist())):
+            if hi == lo:
+                continue
+            if given is None and lo % BLOCK:
+                raise ValueError(f"split_offsets: group {e} starts at row {lo}; without {name} the scales are "
+                                 f"taken per 128 rows from row 0, so each group must start on a multiple of {BLOCK}")
+            if s < 0 or s + -(-(hi - lo) // BLOCK) > scales.shape[1]:
+                raise ValueError(f"{name}: group {e} needs scale columns [{s}, {s + -(-(hi - lo) // BLOCK)}), "
+                                 f"outside the {scales.shape[1]} of {name[0]}_scales")
+
+
+def grouped_gemm_fp8_wgrad(a_cols: torch.Tensor, a_scales: torch.Tensor, b_cols: torch.Tensor,
+                           b_scales: torch.Tensor, split_offsets: torch.Tensor, split_lens: torch.Tensor, *,
+                           a_scale_offsets: torch.Tensor | None = None,
+                           b_scale_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           validate: bool = True) -> torch.Tensor:
+    """The weight gradient of a grouped GEMM: out[g][i, j] = sum over the rows r of group g of
+    a_cols[i, r] * b_cols[j, r], float32 [G, N, K] (for y = x @ w_g^T: a_cols = dy^T, b_cols = x^T).
+
+    a_cols: float8_e4m3fn [N, Ma], b_cols: float8_e4m3fn [K, Mb]: the operands by columns (tokens
+      along the unit-stride dimension; rows may be apart), N and K multiples of 128, what
+      ``ops.quantize_fp8_rows_cols`` (data_t) and ``ops.mxfp4_rows_to_fp8_cols`` give;
+    a_scales float32 [N, Sa], b_scales float32 [K, Sb] (any strides): one power-of-two scale per 128
+      tokens of each column, the blocks counted from each group's first row: the scale of a_cols[i, r]
+      for r in the j-th block of group g is a_scales[i, a_scale_offsets[g] + j];
+    a_scale_offsets / b_scale_offsets: int64 [G], or None for split_offsets / 128 (the layout of
+      ``quantize_fp8_rows_cols``, whose blocks start at multiples of 128 from row 0: then every group
+      must start on a multiple of 128); ``mxfp4_rows_to_fp8_cols``' group offsets[:-1] for its columns;
+    split_offsets / split_lens: int64 [G], as for ``grouped_gemm_fp8``;
+    out: a float32 [G, N, K] tensor to add the result to (weight gradients accumulated in float32
+      over micro-batches), or None for a new one. Empty groups give zeros (or leave out unchanged).
+    validate: check the splits and the scale columns on the host (one synchronisation); False: the
+      result of invalid splits is unspecified."""
+    g, n, kdim, a_base, b_base = check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens,
+                                                  a_scale_offsets, b_scale_offsets, out)
+    if validate:
+        _validate_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
+                        b_scale_offsets, a_base, b_base)
+    accumulate = out is not None
+    if out is None:
+        out = torch.empty(g, n, kdim, dtype=torch.float32, device=a_cols.device)
+    if _triton_grouped_gemm.available(a_cols):
+        for name, t in (("a_cols", a_cols), ("b_cols", b_cols)):
+            if t.stride(1) != 1:
+                raise ValueError(f"{name}: expected a unit stride along the tokens, got strides {t.stride()}")
+        _triton_grouped_gemm.grouped_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens,
+                                           a_base, b_base, out, accumulate)
+        return out
+    result = _wgrad_reference(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_base, b_base)
+    if accumulate:
+        return out.add_(result)
+    return out.copy_(result)
+
+
+def _cols_dequant(cols, scales, lo, hi, base):
+    """float32 [rows of cols, hi - lo]: the group's tokens of an FP8 column operand, dequantized."""
+    blocks = -(-(hi - lo) // BLOCK)
+    s = scales[:, base:base + blocks].repeat_interleave(BLOCK, dim=1)[:, :hi - lo]
+    return cols[:, lo:hi].to(torch.float32) * s
+
+
+def _wgrad_reference(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_base, b_base):
+    g, n, kdim = split_lens.shape[0], a_cols.shape[0], b_cols.shape[0]
+    out = torch.zeros(g, n, kdim, dtype=torch.float32, device=a_cols.device)
+    tokens = min(a_cols.shape[1], b_cols.shape[1])
+    for e, ((lo, hi), sa, sb) in enumerate(zip(group_bounds(split_offsets, split_lens, tokens), a_base.tolist(),
+                                               b_base.tolist())):
+        if hi > lo:
+            out[e] = _cols_dequant(a_cols, a_scales, lo, hi, sa) @ _cols_dequant(b_cols, b_scales, lo, hi, sb).t()
+    return out
+
+
+def grouped_gemm_fp8_wgrad_reference(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, *,
+                                     a_scale_offsets=None, b_scale_offsets=None) -> torch.Tensor:
+    """``grouped_gemm_fp8_wgrad`` by the spec (operands dequantized exactly, one float32 product per
+    group; any device, the splits read on the host)."""
+    _, _, _, a_base, b_base = check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens,
+                                               a_scale_offsets, b_scale_offsets, None)
+    _validate_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
+                    b_scale_offsets, a_base, b_base)
+    return _wgrad_reference(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_base, b_base)
+
+
+__all__ = ["check_grouped_gemm_args", "check_wgrad_args", "group_bounds", "grouped_gemm_fp8",
+           "grouped_gemm_fp8_reference", "grouped_gemm_fp8_wgrad", "grouped_gemm_fp8_wgrad_reference"]
