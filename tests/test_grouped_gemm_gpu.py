@@ -62,3 +62,94 @@ def test_triton_grouped_gemm_no_host_sync():
         torch.cuda.set_sync_debug_mode("default")
     ref = grouped_gemm_fp8_reference(a, a_s, w, w_s, offs, ls)
     assert float((out.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2.0 ** -6
+
+
+def _aligned(lens):
+    offsets, at = [], 0
+    for c in lens:
+        offsets.append(at)
+        at += -(-c // 128) * 128
+    return offsets, at
+
+
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048)])
+def test_triton_dgrad_matches_reference(n, k):
+    """dx = dy @ w_g (dgrad) through the transposed tiles of ops.quantize_fp8_tiles at DeepSeek-V3 shapes."""
+    from moe_fp4 import ops
+
+    lens = [300, 0, 129, 1000, 64, 257]
+    offsets, m = _aligned(lens)
+    gen = torch.Generator().manual_seed(SEED + n)
+    g = len(lens)
+    w = (torch.randn(g, n, k, generator=gen) * 0.02).cuda()
+    data, scales, data_t = ops.quantize_fp8_tiles(w.reshape(g * n, k))
+    w_t = data_t.view(k, g, n).permute(1, 0, 2)
+    s_t = scales.view(g, n // 128, k // 128).transpose(1, 2)
+    dy = torch.randn(m + 7, n, generator=gen).cuda()
+    d8, ds = ops.quantize_fp8_blockwise(dy)
+    offs, ls = torch.tensor(offsets).cuda(), torch.tensor(lens).cuda()
+    out = grouped_gemm_fp8(d8, ds, w_t, s_t, offs, ls)
+    ref = grouped_gemm_fp8_reference(d8, ds, w_t.contiguous(), s_t.contiguous(), offs, ls)
+    err = (out.float() - ref.float()).abs()
+    bound = ref.float().abs() * 2.0 ** -7 + float(ref.float().abs().max()) * 2.0 ** -12
+    assert bool((err <= bound).all()), f"max excess {float((err - bound).max())}"
+    assert int(out[m:].count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048)])
+def test_triton_wgrad_matches_reference(n, k):
+    """dw_g = dy_g^T x_g (wgrad) from FP8 columns at DeepSeek-V3 shapes; also from MXFP4 rows
+    (FP4RowToFP8Col's per-expert scale columns) and accumulated into a float32 buffer."""
+    from moe_fp4 import ops
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+    from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8_wgrad_reference
+
+    lens = [300, 0, 129, 1000, 257]
+    offsets, m = _aligned(lens)
+    gen = torch.Generator().manual_seed(SEED + k)
+    dy = torch.randn(m, n, generator=gen).cuda().bfloat16()
+    x = torch.randn(m, k, generator=gen).cuda().bfloat16()
+    _, _, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy)
+    _, _, x_t, x_ts = ops.quantize_fp8_rows_cols(x)
+    offs, ls = torch.tensor(offsets).cuda(), torch.tensor(lens).cuda()
+    out = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls)
+    ref = grouped_gemm_fp8_wgrad_reference(dy_t, dy_ts, x_t, x_ts, offs, ls)
+    # the tensor cores' FP8 accumulation within each 128-token block, then float32 sums
+    bound = ref.abs() * 2.0 ** -12 + float(ref.abs().max()) * 2.0 ** -12
+    assert bool(((out - ref).abs() <= bound).all()), f"max error {float((out - ref).abs().max())}"
+    assert int(out[1].count_nonzero()) == 0
+    acc = torch.full_like(out, 0.5)
+    grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, out=acc)
+    assert torch.equal(acc, out + 0.5)
+
+    packed, mx = ops.quantize_mxfp4(x)
+    c_t, c_ts, goff = ops.mxfp4_rows_to_fp8_cols(packed, mx, ls, offs)
+    out = grouped_gemm_fp8_wgrad(dy_t, dy_ts, c_t, c_ts, offs, ls, b_scale_offsets=goff[:-1])
+    ref = grouped_gemm_fp8_wgrad_reference(dy_t, dy_ts, c_t, c_ts, offs, ls, b_scale_offsets=goff[:-1])
+    bound = ref.abs() * 2.0 ** -12 + float(ref.abs().max()) * 2.0 ** -12
+    assert bool(((out - ref).abs() <= bound).all()), f"max error {float((out - ref).abs().max())}"
+
+
+@pytest.mark.parametrize("save", ["mxfp4", "fp8", "bf16", "recompute"])
+def test_experts_gpu_matches_cpu(save):
+    """The Experts module on the GPU (Triton GEMMs, native conversions) against the same module on
+    the CPU (the spec's GEMMs and conversions): forward and gradients within the accumulation bound."""
+    from moe_fp4.moe import Experts
+
+    g, h, i = 4, 1024, 512
+    lens = [300, 0, 129, 700]
+    offsets, m = _aligned(lens)
+    gen = torch.Generator().manual_seed(SEED + 5)
+    x = torch.randn(m, h, generator=gen)
+    dy = torch.randn(m, h, generator=gen)
+    results = []
+    for dev in ("cpu", "cuda"):
+        torch.manual_seed(SEED)
+        module = Experts(g, h, i, save=save, dtype=torch.float32).to(dev)
+        xx = x.to(dev).requires_grad_()
+        y = module(xx, torch.tensor(offsets, device=dev), torch.tensor(lens, device=dev))
+        y.backward(dy.to(dev))
+        results.append([t.detach().cpu().double() for t in (y, xx.grad, module.w1.grad, module.w2.grad)])
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), *results):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 2.0 ** -6, f"{save} {name}: relative difference {rel}"

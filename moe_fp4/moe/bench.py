@@ -1,0 +1,319 @@
+"""`python -m moe_fp4 bench gemm`: the experts' FP8 grouped GEMMs and the expert MLP, against torch
+and DeepGEMM on the same GPU in the same run.
+
+DeepSeek-V3 expert shapes (hidden 7168, intermediate 2048: gate+up N 4096 x K 7168, down N 7168 x
+K 2048); G experts over M rows, every expert's rows starting on a multiple of 128 (a dispatch with
+expert_alignment 128); splits "uniform" (M/G each) or "skewed" (lengths drawn from a Zipf-like law,
+the same total). Per GEMM:
+  fprop   y = x @ w_g^T (FP8 1x128 rows x FP8 128x128 tiles, BF16 out): ``grouped_gemm_fp8``
+  dgrad   dx = dy @ w_g (the same kernel on the transposed tiles)
+  wgrad   dw_g = dy_g^T x_g (FP8 columns, one scale per 128 tokens of each column; float32 out):
+          ``grouped_gemm_fp8_wgrad``
+Columns: moe_fp4 (the default path, Triton); torch FP8 rowwise (``torch._scaled_grouped_mm``, one
+scale per row of each operand: a coarser scaling than ours, the fastest FP8 grouped GEMM in torch on
+Hopper; 128x128/1x128 block scales have none there); torch BF16 (``torch._grouped_mm``); DeepGEMM
+(``m_grouped_fp8_gemm_nt_contiguous`` and, for wgrad, ``k_grouped_fp8_gemm_nt_contiguous``, the
+same scaling as ours) when ``deep_gemm`` imports. TFLOP/s = 2 x (rows of the groups) x N x K / time;
+times are CUDA-event medians of one call each (the default stream, inputs ready).
+Then the expert MLP (``Experts``) forward + backward per save policy against the same MLP on BF16
+grouped GEMMs (torch._grouped_mm forward, dgrad and wgrad), and the FP8 ceiling of this GPU: one
+dense ``torch._scaled_mm`` of 8192^3 with rowwise scales.
+GPU goals: fprop >= 0.9 x torch FP8 rowwise; dgrad and wgrad >= 0.8 x; Experts fwd+bwd >= 1.5 x BF16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+
+import torch
+
+from moe_fp4 import ops
+from moe_fp4.moe.experts import SAVE_POLICIES, Experts, _fp8_tiles
+from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8, grouped_gemm_fp8_wgrad
+
+HIDDEN, INTER = 7168, 2048
+GOALS = {"fprop": 0.9, "dgrad": 0.8, "wgrad": 0.8}
+
+
+def _median_us(fn, iters: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def split_lengths(m: int, g: int, kind: str, seed: int = 0) -> list[int]:
+    """G lengths, each a multiple of 128, summing to m (m a multiple of 128 x G for "uniform")."""
+    if kind == "uniform":
+        return [m // g] * g
+    gen = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, g + 1, dtype=torch.float64) ** 1.1
+    weights = weights[torch.randperm(g, generator=gen)]
+    blocks = (weights / weights.sum() * (m // 128)).floor().long()
+    blocks[int(weights.argmax())] += m // 128 - int(blocks.sum())
+    return [int(b) * 128 for b in blocks]
+
+
+def _try(fn, iters):
+    try:
+        return _median_us(fn, iters), ""
+    except Exception as e:  # noqa: BLE001 (an unavailable comparison is reported in the table)
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def _deep_gemm():
+    try:
+        import deep_gemm
+    except Exception:  # noqa: BLE001
+        return None
+    return deep_gemm
+
+
+def _gemm_rows(m, g, kind, iters, dg, seed=0):
+    """Table rows for one split: fprop, dgrad, wgrad of both projections."""
+    lens = split_lengths(m, g, kind, seed)
+    out, notes = [], set()
+    for proj, n, k in (("gate+up", 2 * INTER, HIDDEN), ("down", HIDDEN, INTER)):
+        for op, shape, flop, cells, errs in _projection(m, g, lens, n, k, iters, dg, seed):
+            out.append((kind, g, m, proj, op, shape, flop, cells))
+            notes |= errs
+        torch.cuda.empty_cache()
+    return out, notes
+
+
+def _projection(m, g, lens, n, k, iters, dg, seed):
+    """(op, (N, K) of the op, flop, [moe_fp4, torch FP8 rowwise, torch BF16, DeepGEMM] us, notes) of
+    the three GEMMs of one projection y = x @ w_g^T, w [G, n, k]."""
+    dev = "cuda"
+    offs = [sum(lens[:e]) for e in range(g)]
+    offs_t = torch.tensor(offs, device=dev)
+    lens_t = torch.tensor(lens, device=dev)
+    ends32 = torch.tensor([o + c for o, c in zip(offs, lens)], device=dev, dtype=torch.int32)
+    m_index = torch.repeat_interleave(torch.arange(g, device=dev, dtype=torch.int32), lens_t)
+    torch.manual_seed(seed)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(g, n, k, device=dev, dtype=torch.bfloat16) * 0.02
+    w8, ws, w8t, wst = _fp8_tiles(w)
+    x8, xs, xt, xts = ops.quantize_fp8_rows_cols(x)
+    d8, ds, dt, dts = ops.quantize_fp8_rows_cols(dy)
+    ours = {
+        "fprop": lambda: grouped_gemm_fp8(x8, xs, w8, ws, offs_t, lens_t, validate=False),
+        "dgrad": lambda: grouped_gemm_fp8(d8, ds, w8t, wst, offs_t, lens_t, validate=False),
+        "wgrad": lambda: grouped_gemm_fp8_wgrad(dt, dts, xt, xts, offs_t, lens_t, validate=False),
+    }
+    # torch: FP8 rowwise and BF16 on the same data (scales of one: the time does not depend on them)
+    f8 = torch.float8_e4m3fn
+    xr, dyr, wr = x.to(f8), dy.to(f8), w.to(f8)
+    wt = w.transpose(1, 2).contiguous()
+    wtr = wt.to(f8)
+    xtb, dytb = x.t().contiguous(), dy.t().contiguous()
+    xtr, dytr = xtb.to(f8), dytb.to(f8)
+
+    def one(*size):
+        return torch.ones(*size, device=dev)
+
+    rowwise = {
+        "fprop": lambda: torch._scaled_grouped_mm(xr, wr.transpose(-2, -1), one(m), one(g, n), offs=ends32,
+                                                  out_dtype=torch.bfloat16),
+        "dgrad": lambda: torch._scaled_grouped_mm(dyr, wtr.transpose(-2, -1), one(m), one(g, k), offs=ends32,
+                                                  out_dtype=torch.bfloat16),
+        "wgrad": lambda: torch._scaled_grouped_mm(dytr, xtr.t(), one(g * n), one(g * k), offs=ends32,
+                                                  out_dtype=torch.bfloat16),
+    }
+    bf16 = {
+        "fprop": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends32, out_dtype=torch.bfloat16),
+        "dgrad": lambda: torch._grouped_mm(dy, wt.transpose(-2, -1), offs=ends32, out_dtype=torch.bfloat16),
+        "wgrad": lambda: torch._grouped_mm(dytb, xtb.t(), offs=ends32, out_dtype=torch.float32),
+    }
+    deep, notes = {}, set()
+    if dg is not None:
+        d_out = torch.empty(m, n, device=dev, dtype=torch.bfloat16)
+        dx_out = torch.empty(m, k, device=dev, dtype=torch.bfloat16)
+        w8t_c = w8t.contiguous()
+        deep["fprop"] = lambda: dg.m_grouped_fp8_gemm_nt_contiguous((x8, xs), (w8, ws), d_out, m_index)
+        deep["dgrad"] = lambda: dg.m_grouped_fp8_gemm_nt_contiguous((d8, ds), (w8t_c, wst), dx_out, m_index)
+        try:  # per group, K-major blocks of dy^T [n, k_g] and x^T [k, k_g] back to back
+            a_buf = torch.cat([dt[:, o:o + c].contiguous().flatten() for o, c in zip(offs, lens)])
+            b_buf = torch.cat([xt[:, o:o + c].contiguous().flatten() for o, c in zip(offs, lens)])
+            a_sf = torch.cat([dts[:, o // 128:(o + c) // 128].t() for o, c in zip(offs, lens)]).contiguous()
+            b_sf = torch.cat([xts[:, o // 128:(o + c) // 128].t() for o, c in zip(offs, lens)]).contiguous()
+            w_out = torch.zeros(g, n, k, device=dev, dtype=torch.float32)
+            ks_t = torch.tensor(lens, device=dev, dtype=torch.int32)
+            deep["wgrad"] = lambda: dg.k_grouped_fp8_gemm_nt_contiguous(
+                (a_buf, a_sf.t()), (b_buf, b_sf.t()), w_out, lens, ks_t, w_out, recipe=(1, 1, 128),
+                compiled_dims="mn")
+        except Exception as e:  # noqa: BLE001
+            notes.add(f"DeepGEMM wgrad operands: {type(e).__name__}: {e}")
+    rows = []
+    for op in ("fprop", "dgrad", "wgrad"):
+        cells = []
+        for table, name in ((ours, "moe_fp4"), (rowwise, "torch FP8 rowwise"), (bf16, "torch BF16"),
+                            (deep, "DeepGEMM")):
+            t, err = _try(table[op], iters) if op in table else (None, "")
+            if err:
+                notes.add(f"{name} {op}: {err}")
+            cells.append(t)
+        rows.append((op, (n, k) if op != "dgrad" else (k, n), 2 * m * n * k, cells, notes))
+    return rows
+
+
+def _bf16_experts(x, w1, w2, ends):
+    """The same SwiGLU MLP on BF16 grouped GEMMs (torch._grouped_mm), forward and backward."""
+
+    class F(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w1, w2):
+            y1 = torch._grouped_mm(x, w1.transpose(-2, -1), offs=ends)
+            gate, up = y1.chunk(2, dim=-1)
+            h = (torch.nn.functional.silu(gate.float()) * up.float()).bfloat16()
+            ctx.save_for_backward(x, w1, w2, y1)
+            return torch._grouped_mm(h, w2.transpose(-2, -1), offs=ends)
+
+        @staticmethod
+        def backward(ctx, dy):
+            x, w1, w2, y1 = ctx.saved_tensors
+            gate, up = y1.float().chunk(2, dim=-1)
+            sig = torch.sigmoid(gate)
+            h = (gate * sig * up).bfloat16()
+            dw2 = torch._grouped_mm(dy.t(), h, offs=ends)
+            dh = torch._grouped_mm(dy, w2, offs=ends).float()
+            dy1 = torch.cat((dh * up * sig * (1 + gate * (1 - sig)), dh * gate * sig), dim=-1).bfloat16()
+            dw1 = torch._grouped_mm(dy1.t(), x, offs=ends)
+            dx = torch._grouped_mm(dy1, w1, offs=ends)
+            return dx, dw1, dw2
+
+    return F.apply(x, w1, w2)
+
+
+def _bf16_row(x, dy, g, ends, iters):
+    dev = x.device
+    w1 = (torch.randn(g, 2 * INTER, HIDDEN, device=dev) * 0.02).bfloat16().requires_grad_()
+    w2 = (torch.randn(g, HIDDEN, INTER, device=dev) * 0.02).bfloat16().requires_grad_()
+
+    def step():
+        _bf16_experts(x, w1, w2, ends).backward(dy)
+
+    torch.cuda.reset_peak_memory_stats()
+    t, err = _try(step, iters)
+    return ("torch BF16 grouped", t, err, torch.cuda.max_memory_allocated())
+
+
+def _experts_rows(m, g, iters):
+    dev = "cuda"
+    lens = split_lengths(m, g, "uniform")
+    offs_t = torch.tensor([sum(lens[:e]) for e in range(g)], device=dev)
+    lens_t = torch.tensor(lens, device=dev)
+    ends = torch.cumsum(lens_t, 0).to(torch.int32)
+    x = torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16)
+    rows = [_bf16_row(x, dy, g, ends, iters)]
+    module = Experts(g, HIDDEN, INTER, device=dev)
+    x_fp8 = ops.quantize_fp8_blockwise(x.detach())
+    x_mx = ops.quantize_mxfp4(x.detach())
+    for save in SAVE_POLICIES:
+        module.save = save
+
+        def step(save=save):
+            module._fp8_key = None  # the weights' FP8 copies are made once per step: count them
+            y = module(x, offs_t, lens_t, x_fp8=x_fp8, x_mxfp4=x_mx if save == "mxfp4" else None, validate=False)
+            y.backward(dy)
+
+        torch.cuda.reset_peak_memory_stats()
+        t, err = _try(step, iters)
+        rows.append((f"moe_fp4 Experts save={save}", t, err, torch.cuda.max_memory_allocated()))
+    return rows
+
+
+def _ceiling(iters):
+    n = 8192
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(n, 1, device="cuda"), torch.ones(1, n, device="cuda")
+    t = _median_us(lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16), iters)
+    return 2 * n ** 3 / t / 1e6
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="python -m moe_fp4 bench gemm", description=__doc__.split("\n")[0])
+    p.add_argument("--cases", default="8x8192,32x32768",
+                   help="experts x rows, comma separated (default 8x8192,32x32768)")
+    p.add_argument("--splits", default="uniform,skewed")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--experts-case", default="32x32768", help="experts x rows of the MLP comparison ('' skips it)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if not torch.cuda.is_available():
+        print("bench gemm: needs a CUDA GPU (the FP8 grouped GEMMs run on the tensor cores)", file=sys.stderr)
+        return 2
+    dg = _deep_gemm()
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    ceiling = _ceiling(args.iters)
+    print(f"# bench gemm, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"DeepGEMM {'v' + getattr(dg, '__version__', '?') if dg else 'not installed'}, {stamp}")
+    print(f"FP8 ceiling (dense torch._scaled_mm 8192^3, rowwise): {ceiling:.0f} TFLOP/s; medians of {args.iters}")
+    print()
+    print("| split | G x M | GEMM | op | N x K | moe_fp4 us | TFLOP/s | % ceiling | torch FP8 rowwise us | "
+          "TFLOP/s | ours / rowwise | torch BF16 us | TFLOP/s | DeepGEMM us | TFLOP/s |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    notes = set()
+    ratios = {op: [] for op in GOALS}
+    for case in args.cases.split(","):
+        g, m = (int(v) for v in case.split("x"))
+        for kind in args.splits.split(","):
+            rows, n = _gemm_rows(m, g, kind, args.iters, dg)
+            notes |= n
+            for kind_, g_, m_, proj, op, shape, flop, cells in rows:
+                fmt = [(f"{t:.0f}", f"{flop / t / 1e6:.0f}") if t else ("-", "-") for t in cells]
+                ours, rw = cells[0], cells[1]
+                ratio = f"{rw / ours:.2f}" if ours and rw else "-"
+                if ours and rw:
+                    ratios[op].append(rw / ours)
+                share = f"{flop / ours / 1e6 / ceiling * 100:.0f}%" if ours else "-"
+                print(f"| {kind_} | {g_} x {m_} | {proj} | {op} | {shape[0]} x {shape[1]} | {fmt[0][0]} | "
+                      f"{fmt[0][1]} | {share} | {fmt[1][0]} | {fmt[1][1]} | {ratio} | {fmt[2][0]} | {fmt[2][1]} | "
+                      f"{fmt[3][0]} | {fmt[3][1]} |")
+    print()
+    for op, goal in GOALS.items():
+        if ratios[op]:
+            worst = min(ratios[op])
+            print(f"GPU goal {op} >= {goal} x torch FP8 rowwise: worst {worst:.2f} "
+                  f"({'met' if worst >= goal else 'NOT met'})")
+    if args.experts_case:
+        g, m = (int(v) for v in args.experts_case.split("x"))
+        print()
+        print(f"Expert MLP forward + backward, G {g}, M {m}, H {HIDDEN}, I {INTER}, uniform splits, input "
+              "given as FP8 (and MXFP4) rows")
+        print("| MLP | fwd+bwd us | speed-up vs BF16 | peak memory GB |")
+        print("|---|---:|---:|---:|")
+        rows = _experts_rows(m, g, args.iters)
+        base = rows[0][1]
+        for name, t, err, peak in rows:
+            if err:
+                notes.add(f"{name}: {err}")
+            sp = f"{base / t:.2f}" if t and base else "-"
+            mem = f"{peak / 1e9:.1f}" if peak else "-"
+            print(f"| {name} | {t:.0f} | {sp} | {mem} |" if t else f"| {name} | - | - | {mem} |")
+        best = [base / t for _, t, _, _ in rows[1:] if t and base]
+        if best:
+            print(f"GPU goal Experts fwd+bwd >= 1.5 x BF16: worst policy {min(best):.2f} "
+                  f"({'met' if min(best) >= 1.5 else 'NOT met'})")
+    for n in sorted(notes):
+        print(f"note: {n}")
+    return 0
+
+
+__all__ = ["main", "split_lengths"]
