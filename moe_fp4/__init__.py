@@ -4,8 +4,8 @@ Submodules:
   formats  the numeric spec (plain PyTorch): element codecs, MX/NVFP4/FP8-blockwise quantization
   ops      native CUDA ops over csrc/, falling back to formats on CPU or without a build
   ep       expert-parallel dispatch/combine with byte-row payloads
-  moe      pieces of the MoE layer: the MXFP4 cache of activations saved for backward and the
-           experts' FP8 grouped GEMM (no router or layer module yet)
+  moe      the experts' computation on FP8 grouped GEMMs and the MXFP4 cache of activations saved
+           for backward (no router, and no complete MoE layer module)
   recipes  dense-layer recipes (MXFP8, NVFP4, MXFP4, FP8 blockwise), QuantLinear, autocast
 """
 
