@@ -3,9 +3,18 @@
 ``TorchDistributedBackend`` wraps ``torch.distributed.all_to_all_single`` (input/output split sizes
 in rows); its device follows the process group: NCCL carries CUDA tensors, gloo CPU tensors.
 ``LocalBackend`` is the world of one process (no process group), where an all-to-all is a copy.
+
+A gloo collective returns to its caller before gloo's worker thread has let go of the work and of
+the tensors in it. A tensor whose last Python reference goes first is then freed by that thread,
+which must take the GIL to do it; if the interpreter is shutting down by then, the thread is killed
+inside C++ and the process aborts ("terminate called without an active exception"). So the backend
+keeps its Python references until the worker has let go (microseconds: the work is complete).
 """
 
 from __future__ import annotations
+
+import atexit
+import time
 
 import torch
 
@@ -68,8 +77,47 @@ class TorchDistributedBackend(AllToAllBackend):
         self._peers = [r if group is None else dist.get_global_rank(group, r) for r in range(self.world_size)]
 
     def all_to_all(self, out, inp, out_splits, in_splits):
-        dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
-                               group=self.group)
+        if out.device.type != "cpu" or not _CAN_COUNT_USES:  # (NCCL: the watchdog owns the work's tensors)
+            dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                   group=self.group)
+            return
+        held = [(out, out._use_count()), (inp, inp._use_count())]
+        try:
+            dist.all_to_all_single(out, inp, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                   group=self.group)
+        finally:
+            wait_until_released(held)
+
+
+# Tensor._use_count: the references to a tensor from C++ (a collective's work) and from its Python object
+_CAN_COUNT_USES = hasattr(torch.Tensor, "_use_count")
+RELEASE_WAIT_S = 5.0  # the longest a collective's tensors are waited for before they are kept until exit
+_unreleased: list[list[tuple[torch.Tensor, int]]] = []  # kept until exit: their work outlived RELEASE_WAIT_S
+
+
+def wait_until_released(held: list[tuple[torch.Tensor, int]], timeout_s: float = RELEASE_WAIT_S) -> bool:
+    """Wait until every tensor of ``held`` (tensor, use count before the collective) is back at its count,
+    i.e. the process group's worker threads have dropped the work that held it; sleeping, so that
+    other threads run. Returns False (and keeps the tensors until exit) if that takes over timeout_s."""
+    deadline = None
+    while any(t._use_count() > n for t, n in held):
+        now = time.monotonic()
+        if deadline is None:
+            deadline = now + timeout_s
+        elif now > deadline:
+            _unreleased.append(held)
+            return False
+        time.sleep(0)
+    return True
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    # (atexit runs before the interpreter starts shutting down: the worker threads can still finish)
+    pending = _unreleased[:]
+    _unreleased.clear()
+    for held in pending:
+        wait_until_released(held)
 
 
 def make_backend(group=None, backend=None) -> AllToAllBackend:
