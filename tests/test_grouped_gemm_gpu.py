@@ -146,7 +146,7 @@ def test_experts_gpu_matches_cpu(save):
     for dev in ("cpu", "cuda"):
         torch.manual_seed(SEED)
         module = Experts(g, h, i, save=save, dtype=torch.float32).to(dev)
-        xx = x.to(dev).requires_grad_()
+        xx = x.detach().clone().to(dev).requires_grad_()
         y = module(xx, torch.tensor(offsets, device=dev), torch.tensor(lens, device=dev))
         y.backward(dy.to(dev))
         results.append([t.detach().cpu().double() for t in (y, xx.grad, module.w1.grad, module.w2.grad)])

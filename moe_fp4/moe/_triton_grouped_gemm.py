@@ -91,20 +91,44 @@ if triton is not None:
         rows_a = (pid_n * BM + tl.arange(0, BM)).to(tl.int64)
         rows_b = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
         tokens = tl.arange(0, BK)
+        a_rows = a_ptr + rows_a[:, None] * stride_a + first + tokens[None, :]
+        b_rows = b_ptr + rows_b[:, None] * stride_b + first + tokens[None, :]
+        a_sc = a_scale_ptr + rows_a * stride_asr + base_a * stride_asc
+        b_sc = b_scale_ptr + rows_b * stride_bsr + base_b * stride_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for j in range(0, tl.cdiv(count, BK)):
-            r = j * BK + tokens
-            ok = r < count
-            col = first + r
-            a = tl.load(a_ptr + rows_a[:, None] * stride_a + col[None, :], mask=ok[None, :], other=0.0)
-            b = tl.load(b_ptr + rows_b[:, None] * stride_b + col[None, :], mask=ok[None, :], other=0.0)
-            sa = tl.load(a_scale_ptr + rows_a * stride_asr + (base_a + j) * stride_asc)
-            sb = tl.load(b_scale_ptr + rows_b * stride_bsr + (base_b + j) * stride_bsc)
+        full = count // BK
+        # whole blocks without a mask: a mask along the tokens (the unit-stride dimension) would
+        # split the loads into single bytes
+        for j in range(0, full):
+            a = tl.load(a_rows + j * BK)
+            b = tl.load(b_rows + j * BK)
+            sa = tl.load(a_sc + j * stride_asc)
+            sb = tl.load(b_sc + j * stride_bsc)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+        if full * BK < count:  # the group's last, partial block
+            ok = full * BK + tokens < count
+            a = tl.load(a_rows + full * BK, mask=ok[None, :], other=0.0)
+            b = tl.load(b_rows + full * BK, mask=ok[None, :], other=0.0)
+            sa = tl.load(a_sc + full * stride_asc)
+            sb = tl.load(b_sc + full * stride_bsc)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         out = out_ptr + g.to(tl.int64) * n * kdim + rows_a[:, None] * kdim + rows_b[None, :]
         if ACCUMULATE:
             acc += tl.load(out)
         tl.store(out, acc)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _zero_rows_kernel(out_ptr, flags_ptr, m, n, BR: tl.constexpr, BC: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        flag = tl.load(flags_ptr + rows, mask=rows < m, other=0)
+        if tl.max(flag, axis=0) > 0:  # (most blocks hold group rows only: one small read, no write)
+            cols = tl.program_id(1) * BC + tl.arange(0, BC)
+            ptrs = out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
+            tl.store(ptrs, tl.zeros((BR, BC), dtype=out_ptr.dtype.element_ty),
+                     mask=(flag[:, None] > 0) & (cols[None, :] < n))
 
 
 def tile_table(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
@@ -125,13 +149,21 @@ def tile_table(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int)
 
 
 def uncovered_rows(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
-    """bool [rows] on the device: the rows of no group (the output rows the rows kernel leaves alone)."""
+    """bool [rows] on the device: the rows of no group (the output rows the rows kernel leaves alone);
+    by a count of the groups over each row (+1 at each start, -1 at each end, a prefix sum)."""
     starts = split_offsets.to(torch.int64).clamp(0, rows)
     ends = (split_offsets.to(torch.int64) + split_lens.to(torch.int64).clamp(min=0)).clamp(0, rows)
     edges = torch.zeros(rows + 1, dtype=torch.int32, device=split_lens.device)
     edges.index_add_(0, starts, torch.ones_like(starts, dtype=torch.int32))
     edges.index_add_(0, ends, torch.full_like(ends, -1, dtype=torch.int32))
     return torch.cumsum(edges[:rows], 0) <= 0
+
+
+def zero_uncovered_rows(out: torch.Tensor, split_offsets: torch.Tensor, split_lens: torch.Tensor) -> None:
+    """Zero the rows of out [M, N] that belong to no group, on the device."""
+    m, n = out.shape
+    flags = uncovered_rows(split_offsets, split_lens, m).to(torch.int8)
+    _zero_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 512))](out, flags, m, n, BR=32, BC=512, num_warps=4)
 
 
 def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.Tensor:
@@ -141,7 +173,7 @@ def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.T
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
     if m == 0:
         return out
-    out.masked_fill_(uncovered_rows(split_offsets, split_lens, m).unsqueeze(1), 0)
+    zero_uncovered_rows(out, split_offsets, split_lens)
     if g == 0:
         return out
     group, start, end = tile_table(split_offsets, split_lens, m)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import statistics
 import sys
 
@@ -256,6 +257,7 @@ def _parse(argv):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
+    faulthandler.enable()  # (a crash inside a compared library still names where it happened)
     if not torch.cuda.is_available():
         print("bench gemm: needs a CUDA GPU (the FP8 grouped GEMMs run on the tensor cores)", file=sys.stderr)
         return 2
@@ -285,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
                 share = f"{flop / ours / 1e6 / ceiling * 100:.0f}%" if ours else "-"
                 print(f"| {kind_} | {g_} x {m_} | {proj} | {op} | {shape[0]} x {shape[1]} | {fmt[0][0]} | "
                       f"{fmt[0][1]} | {share} | {fmt[1][0]} | {fmt[1][1]} | {ratio} | {fmt[2][0]} | {fmt[2][1]} | "
-                      f"{fmt[3][0]} | {fmt[3][1]} |")
+                      f"{fmt[3][0]} | {fmt[3][1]} |", flush=True)
     print()
     for op, goal in GOALS.items():
         if ratios[op]:

@@ -8,6 +8,8 @@
 # 0001-rdc-only-with-nvshmem.patch: DeepEP v1.2.1 compiles with -rdc=true but adds the device-link step
 # only with NVSHMEM, so an intranode-only build fails to import (an undefined
 # __cudaRegisterLinkedBinary... symbol); the patch asks for relocatable device code only with NVSHMEM.
+# 0002-cuda13-cccl-include.patch: with CUDA 13, libcu++ (cuda/std/...) lives under include/cccl, which
+# NVSHMEM's headers include; the patch adds that folder to the include path when it exists.
 set -euo pipefail
 if [ $# -ne 2 ]; then echo "usage: bash patches/deepep/build.sh SRC OUT" >&2; exit 2; fi
 src=$(cd "$1" && pwd)
