@@ -35,9 +35,33 @@ Two ways in, sharing that forward (``ExpertParallelExperts``):
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import torch
 
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad, get_payload
+
+
+class _TorchaoImportNoise(logging.Filter):
+    """transformers imports torchao (for its quantizers) when it is installed, and torchao's import
+    logs noise that says nothing to a user of this module: on a torch without CUDA, one "Failed to
+    load" warning per CUDA extension in torchao's wheel (``torchao/_C*.so``, which such a torch can
+    never load), and torch's deprecation note for each enum torchao registers as a pytree constant.
+    This filter drops exactly those records; it is installed on the two loggers when this module is
+    imported, so it applies when torchao is imported later (by transformers)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "torchao":
+            return torch.version.cuda is not None or not record.getMessage().startswith("Failed to load")
+        args = record.args if isinstance(record.args, tuple) else ()
+        from_torchao = bool(args) and str(getattr(args[0], "__module__", "")).startswith("torchao")
+        return not (from_torchao and "is an Enum subclass" in str(record.msg))
+
+
+if "torchao" not in sys.modules:
+    for _name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(_name).addFilter(_TorchaoImportNoise())
 
 _EXPERT_PARAMS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias", "up_proj_bias")
 
@@ -149,7 +173,7 @@ def enable_expert_parallel(model: torch.nn.Module, group=None, payload="mxfp4", 
 
 
 # transformers' EPImplementation API (transformers.distributed.expert_parallel) is not in every 5.x
-# release; the classes built on it live in patches/hf_transformers_ep.py and load on first use, so
+# release; the classes built on it live in moe_fp4/integrations/hf_transformers_ep.py and load on first use, so
 # enable_expert_parallel works without it.
 _EP_NAMES = ("EP_IMPLEMENTATIONS", "MoeFp4EP", "MoeFp4BF16EP", "MoeFp4FP8EP", "MoeFp4NVFP4EP")
 
@@ -172,7 +196,7 @@ def _ep_module():
         raise ImportError(f"register_ep_implementations / MoeFp4EP: transformers {transformers.__version__} has no "
                           "transformers.distributed.expert_parallel (EPImplementation); use a release that has it "
                           "(5.23 does), or enable_expert_parallel(model, group, payload), which needs none")
-    from patches import hf_transformers_ep
+    from moe_fp4.integrations import hf_transformers_ep
 
     return hf_transformers_ep
 

@@ -1,6 +1,6 @@
 """moe_fp4 as a transformers ``EPImplementation`` (``transformers.distributed.expert_parallel``).
 
-Loaded by ``patches.hf_transformers`` on first use of ``register_ep_implementations`` or of the
+Loaded by ``moe_fp4.integrations.hf_transformers`` on first use of ``register_ep_implementations`` or of the
 classes below (the interface is not in every transformers 5.x release); see that module's docstring.
 """
 
@@ -10,7 +10,7 @@ import torch
 from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
 
 from moe_fp4.ep import Buffer, get_payload
-from patches.hf_transformers import ExpertParallelExperts
+from moe_fp4.integrations.hf_transformers import ExpertParallelExperts
 
 
 class MoeFp4EP(EPImplementation):
@@ -77,7 +77,7 @@ EP_IMPLEMENTATIONS = {"moe_fp4": MoeFp4EP, "moe_fp4_bf16": MoeFp4BF16EP, "moe_fp
 
 
 def register_ep_implementations() -> list[str]:
-    """See ``patches.hf_transformers.register_ep_implementations``."""
+    """See ``moe_fp4.integrations.hf_transformers.register_ep_implementations``."""
     registered = EPImplementationInterface()
     for name, cls in EP_IMPLEMENTATIONS.items():
         if name in registered and registered[name] is not cls:
