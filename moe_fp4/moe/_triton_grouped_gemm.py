@@ -3,8 +3,8 @@ partial scaled and added in float32: the scales differ per K block, so they cann
 
 rows kernel (fprop and dgrad): out[r] = a[r] @ b_g^T for the rows r of group g; a FP8 1x128 rows,
   b_g [N, K] FP8 in 128x128 tiles (w_g for fprop, w_g^T for dgrad). Each program computes one
-  128 x 128 output tile; the tiles of every group come from a table built on the device from the
-  split offsets and lengths (no host synchronisation; sized for the worst case, unused entries -1).
+  128 x 128 output tile; it finds its group from the split lengths on the device (no host
+  synchronisation; the grid is sized for the worst case and programs past the last tile return).
   The programs of one row tile are adjacent (the N tiles vary fastest), so the 128 rows of a are read
   from memory once and then from L2 by the programs of the other N tiles.
 wgrad kernel: out[g] = a_g^T-contracted: out[g][i, j] = sum over the rows r of group g of
@@ -39,18 +39,26 @@ def available(t: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _grouped_rows_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, tile_group_ptr, tile_start_ptr,
-                             tile_end_ptr, m, n, k_blocks, n_blocks,
+    def _grouped_rows_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr, groups,
+                             m, n, k_blocks, n_blocks,
                              stride_am, stride_asm, stride_ask,
                              stride_bg, stride_bn, stride_sg, stride_sn, stride_sk,
-                             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                             GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid = tl.program_id(0)
         pid_m = pid // n_blocks
         pid_n = pid % n_blocks
-        g = tl.load(tile_group_ptr + pid_m)
-        if g >= 0:
-            r0 = tl.load(tile_start_ptr + pid_m)
-            r1 = tl.load(tile_end_ptr + pid_m)
+        # this row tile's group: the tiles of all groups numbered in group order (a prefix sum of
+        # each group's tile count; no table built beforehand)
+        e = tl.arange(0, GP)
+        lens = tl.maximum(tl.load(lens_ptr + e, mask=e < groups, other=0), 0)
+        tiles = (lens + BM - 1) // BM
+        ends = tl.cumsum(tiles, 0)
+        g = tl.sum((ends <= pid_m).to(tl.int32), 0)
+        if g < groups:
+            mine = e == g
+            first_tile = tl.sum(tl.where(mine, ends - tiles, 0), 0)
+            r0 = tl.load(offs_ptr + g) + (pid_m - first_tile) * BM
+            r1 = tl.load(offs_ptr + g) + tl.sum(tl.where(mine, lens, 0), 0)
             rows = r0 + tl.arange(0, BM)
             row_ok = (rows < r1) & (rows < m) & (rows >= 0)  # (splits are not read on the host: stay inside a)
             rows64 = tl.where(row_ok, rows, 0).to(tl.int64)
@@ -121,36 +129,23 @@ if triton is not None:
 if triton is not None:
 
     @triton.jit
-    def _zero_rows_kernel(out_ptr, flags_ptr, m, n, BR: tl.constexpr, BC: tl.constexpr):
+    def _zero_rows_kernel(out_ptr, offs_ptr, lens_ptr, groups, m, n, GP: tl.constexpr, BR: tl.constexpr,
+                          BC: tl.constexpr):
         rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        flag = tl.load(flags_ptr + rows, mask=rows < m, other=0)
-        if tl.max(flag, axis=0) > 0:  # (most blocks hold group rows only: one small read, no write)
+        e = tl.arange(0, GP)
+        starts = tl.load(offs_ptr + e, mask=e < groups, other=0)
+        ends = starts + tl.maximum(tl.load(lens_ptr + e, mask=e < groups, other=0), 0)
+        inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :])
+        free = (tl.max(inside.to(tl.int32), 1) == 0) & (rows < m)
+        if tl.max(free.to(tl.int32), 0) > 0:  # (most blocks hold group rows only: nothing to write)
             cols = tl.program_id(1) * BC + tl.arange(0, BC)
             ptrs = out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :]
             tl.store(ptrs, tl.zeros((BR, BC), dtype=out_ptr.dtype.element_ty),
-                     mask=(flag[:, None] > 0) & (cols[None, :] < n))
-
-
-def tile_table(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-    """(group, first row, end row) int32 of each 128-row tile of every group, in group order, on the
-    device; sized rows / 128 + G (a bound on the tiles of groups inside [0, rows)), unused entries -1."""
-    g = split_lens.shape[0]
-    lens = split_lens.to(torch.int64).clamp(min=0)
-    tiles = (lens + BLOCK_M - 1) // BLOCK_M
-    ends = torch.cumsum(tiles, 0)
-    size = rows // BLOCK_M + g
-    index = torch.arange(size, device=lens.device)
-    group = torch.searchsorted(ends, index, right=True)  # G past the last tile
-    used = group < g
-    gi = group.clamp(max=g - 1)
-    start = split_offsets.to(torch.int64)[gi] + (index - (ends - tiles)[gi]) * BLOCK_M
-    end = split_offsets.to(torch.int64)[gi] + lens[gi]
-    return (torch.where(used, gi, -1).to(torch.int32), start.to(torch.int32), end.to(torch.int32))
+                     mask=free[:, None] & (cols[None, :] < n))
 
 
 def uncovered_rows(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
-    """bool [rows] on the device: the rows of no group (the output rows the rows kernel leaves alone);
-    by a count of the groups over each row (+1 at each start, -1 at each end, a prefix sum)."""
+    """bool [rows]: the rows of no group (a reference for tests)."""
     starts = split_offsets.to(torch.int64).clamp(0, rows)
     ends = (split_offsets.to(torch.int64) + split_lens.to(torch.int64).clamp(min=0)).clamp(0, rows)
     edges = torch.zeros(rows + 1, dtype=torch.int32, device=split_lens.device)
@@ -159,15 +154,23 @@ def uncovered_rows(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: 
     return torch.cumsum(edges[:rows], 0) <= 0
 
 
+def _pow2(g: int) -> int:
+    return max(16, triton.next_power_of_2(g))
+
+
 def zero_uncovered_rows(out: torch.Tensor, split_offsets: torch.Tensor, split_lens: torch.Tensor) -> None:
-    """Zero the rows of out [M, N] that belong to no group, on the device."""
+    """Zero the rows of out [M, N] that belong to no group, on the device (one launch)."""
     m, n = out.shape
-    flags = uncovered_rows(split_offsets, split_lens, m).to(torch.int8)
-    _zero_rows_kernel[(triton.cdiv(m, 32), triton.cdiv(n, 512))](out, flags, m, n, BR=32, BC=512, num_warps=4)
+    g = split_lens.shape[0]
+    br = 32 if g <= 256 else 8  # (rows x groups compared in registers)
+    _zero_rows_kernel[(triton.cdiv(m, br), triton.cdiv(n, 512))](out, split_offsets, split_lens, g, m, n,
+                                                                 GP=_pow2(g), BR=br, BC=512, num_warps=4)
 
 
 def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.Tensor:
-    """As moe_fp4.moe.grouped_gemm_fp8 (arguments checked there): b [G, N, K] with a unit last stride."""
+    """As moe_fp4.moe.grouped_gemm_fp8 (arguments checked there): b [G, N, K] with a unit last stride.
+    Two launches: the zeros of rows of no group, then the products (a grid sized for the worst case,
+    rows / 128 + G row tiles, whose programs past the groups' tiles return at once)."""
     m, k = a.shape
     g, n, _ = b.shape
     out = torch.empty(m, n, dtype=torch.bfloat16, device=a.device)
@@ -176,13 +179,12 @@ def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.T
     zero_uncovered_rows(out, split_offsets, split_lens)
     if g == 0:
         return out
-    group, start, end = tile_table(split_offsets, split_lens, m)
     n_blocks = n // BLOCK_N
-    grid = (group.shape[0] * n_blocks,)
-    _grouped_rows_kernel[grid](a, a_scales, b, b_scales, out, group, start, end, m, n, k // BLOCK_K, n_blocks,
-                               a.stride(0), a_scales.stride(0), a_scales.stride(1),
+    grid = ((m // BLOCK_M + g) * n_blocks,)
+    _grouped_rows_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, g, m, n, k // BLOCK_K,
+                               n_blocks, a.stride(0), a_scales.stride(0), a_scales.stride(1),
                                b.stride(0), b.stride(1), b_scales.stride(0), b_scales.stride(1), b_scales.stride(2),
-                               BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8, num_stages=ROWS_STAGES)
+                               GP=_pow2(g), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8, num_stages=ROWS_STAGES)
     return out
 
 
