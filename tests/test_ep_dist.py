@@ -383,6 +383,81 @@ def case_errors(ctx, seed):
     return None
 
 
+def case_bad_input_on_one_rank(ctx, seed, entry, bad_rank):
+    """Bad input on rank ``bad_rank`` only, for each check in front of a collective of ``entry``:
+    every rank raises ValueError (the bad rank naming the argument, the others naming the rank or
+    the disagreement) within seconds, and the group still works afterwards. Returns the slowest
+    failing call in seconds."""
+    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
+    xs, idxs, ws, n_exp = make_world(seed, world)
+    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
+    buf = Buffer(n_exp, ctx.group, payload="mxfp4")
+    out = buf.dispatch(x, idx, w)
+    y = out.values()
+    me = rank == bad_rank
+
+    def one(good, bad, word):
+        """Run ``bad`` on bad_rank and ``good`` elsewhere: ValueError everywhere, fast."""
+        t0 = time.monotonic()
+        _expect_value_error(bad if me else good, word if me else "")
+        return time.monotonic() - t0
+
+    cases = {
+        "dispatch": [
+            (lambda: buf.dispatch(x, idx, w, return_fp8="cols"), "return_fp8"),
+            (lambda: buf.dispatch(x, idx, w, expert_alignment=0), "expert_alignment"),
+            (lambda: buf.dispatch(x, idx, w, payload="int3"), "payload"),
+            (lambda: buf.dispatch(x, idx[:-1] if idx.shape[0] else idx[:, :1], w), "topk_idx"),
+        ],
+        "sync_free": [
+            (lambda: buf.dispatch(x, idx, w, max_recv_tokens=world * 16 + 1), "max_recv_tokens"),
+            (lambda: buf.dispatch(x, idx, w, max_recv_tokens=world * 32), "max_recv_tokens"),  # sizes disagree
+            (lambda: buf.dispatch(x, None, w, max_recv_tokens=world * 16), "topk_idx"),
+        ],
+        "cached_dispatch": [
+            (lambda: buf.dispatch(torch.cat((x, x[:1])), handle=out.handle), "x"),
+            (lambda: buf.dispatch(x.to(torch.int32), handle=out.handle), "x"),
+            (lambda: buf.dispatch(x[:, :64], handle=out.handle), "hidden"),  # sizes disagree
+            (lambda: buf.dispatch(x, handle=object()), "handle"),
+        ],
+        "combine": [
+            (lambda: buf.combine(torch.cat((y, y[:1])), out.handle), "y"),
+            (lambda: buf.combine(y[:, :64], out.handle), "hidden"),  # sizes disagree
+            (lambda: buf.combine(y.to(torch.int64), out.handle), "y"),
+            (lambda: buf.combine(y, object()), "handle"),
+            (lambda: buf.combine(y, out.handle, payload="int3"), "payload"),
+        ],
+        "autograd": [
+            (lambda: dispatch_with_grad(buf, x.requires_grad_(), idx, w, backward_payload="int3"),
+             "backward_payload"),
+            (lambda: combine_with_grad(buf, y.requires_grad_(), out.handle, w[:, :1]), "topk_weights"),
+            (lambda: combine_with_grad(buf, y, out.handle, w, backward_payload="int3"), "backward_payload"),
+            (lambda: combine_with_grad(buf, torch.cat((y, y[:1])), out.handle, w), "y"),
+        ],
+    }
+    good = {
+        "dispatch": lambda: buf.dispatch(x, idx, w),
+        "sync_free": lambda: buf.dispatch(x, idx, w, max_recv_tokens=world * 16),
+        "cached_dispatch": lambda: buf.dispatch(x, handle=out.handle),
+        "combine": lambda: buf.combine(y, out.handle),
+        "autograd": None,
+    }
+    good_autograd = [
+        lambda: dispatch_with_grad(buf, x, idx, w),
+        lambda: combine_with_grad(buf, y, out.handle, w),
+        lambda: combine_with_grad(buf, y, out.handle, w),
+        lambda: combine_with_grad(buf, y, out.handle, w),
+    ]
+    slowest = 0.0
+    for i, (bad, word) in enumerate(cases[entry]):
+        ok = good_autograd[i] if entry == "autograd" else good[entry]
+        slowest = max(slowest, one(ok, bad, word))
+        # the group still works: a full dispatch and combine
+        again = buf.dispatch(x, idx, w)
+        assert_bitwise_equal(buf.combine(again.values(), again.handle), buf.combine(y, out.handle), "after")
+    return slowest
+
+
 def case_sync_free(ctx, seed, payload, alignment, backend=None):
     """A sync-free dispatch (max_recv_tokens) holds the synced dispatch's bits on its valid rows: the
     expert rows and their FP8, the tables, the received tokens per source block, the combine (with
@@ -752,6 +827,13 @@ def test_sync_free_overflow_and_errors_are_reported(pool, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_errors_raise_value_error_on_every_rank(pool, world):
     pool.run(case_errors, fresh_seed(), ranks=world)
+
+
+@pytest.mark.parametrize("entry", ["dispatch", "sync_free", "cached_dispatch", "combine", "autograd"])
+@pytest.mark.parametrize("world,bad_rank", [(2, 1), (3, 0)])
+def test_bad_input_on_one_rank_raises_on_every_rank(pool, entry, world, bad_rank):
+    slowest = pool.run(case_bad_input_on_one_rank, fresh_seed(), entry, bad_rank, ranks=world, timeout_s=60)
+    assert max(slowest) < 5.0, f"a failing call took {max(slowest):.1f} s"
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -19,9 +19,10 @@ from moe_fp4.ep.payloads import get_payload
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink, alignment,
-                bounds):
-        out = buffer.dispatch(x.detach(), topk_idx, topk_weights, handle=handle, payload=payload,
-                              expert_alignment=alignment, **bounds)
+                bounds, error):
+        out = buffer._dispatch(x.detach() if isinstance(x, torch.Tensor) else x, topk_idx, topk_weights, handle,
+                               payload, False, alignment, bounds.get("max_recv_tokens"), bounds.get("max_recv_rows"),
+                               error)
         sink.append(out)
         ctx.buffer, ctx.handle, ctx.backward_payload, ctx.x_dtype = buffer, out.handle, backward_payload, x.dtype
         return out.values(dtype)
@@ -29,7 +30,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gx = ctx.buffer.combine(grad.contiguous(), ctx.handle, weighted=False, payload=ctx.backward_payload)
-        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None, None, None
 
 
 def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
@@ -46,20 +47,21 @@ def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor |
     DispatchOutput with the rows, splits and handle). The gradient of values flows back to x
     through a combine with ``backward_payload`` (gap rows' gradients are ignored). max_recv_tokens /
     max_recv_rows: a sync-free dispatch (see ``Buffer.dispatch``; values then has the capacity's
-    rows, those past the experts' rows unspecified, and their gradients are ignored)."""
-    get_payload(backward_payload)
+    rows, those past the experts' rows unspecified, and their gradients are ignored). A failed check
+    here raises on every rank of a gloo group, as the dispatch's own checks do."""
+    error = _check_payload(backward_payload, "backward_payload")
     sink: list[DispatchOutput] = []
     bounds = {} if max_recv_tokens is None and max_recv_rows is None else dict(
         max_recv_tokens=max_recv_tokens, max_recv_rows=max_recv_rows)
     values = _Dispatch.apply(x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink,
-                             expert_alignment, bounds)
+                             expert_alignment, bounds, error)
     return values, sink[0]
 
 
 class _Combine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, topk_weights, buffer, handle, weighted, payload, backward_payload):
-        out = buffer.combine(y.detach(), handle, weighted=weighted, payload=payload)
+    def forward(ctx, y, topk_weights, buffer, handle, weighted, payload, backward_payload, error):
+        out = buffer._combine(y.detach() if isinstance(y, torch.Tensor) else y, handle, weighted, payload, error)
         ctx.save_for_backward(y)
         ctx.buffer, ctx.handle, ctx.weighted, ctx.backward_payload = buffer, handle, weighted, backward_payload
         ctx.w_dtype = topk_weights.dtype if topk_weights is not None else None
@@ -92,7 +94,7 @@ class _Combine(torch.autograd.Function):
             gw = torch.zeros(handle.num_tokens, k, dtype=torch.float32, device=g.device)
             gw.index_add_(0, handle.send_token, back)  # each (t, j) is nonzero on one rank only
             grad_w = gw.to(ctx.w_dtype)
-        return grad_y, grad_w, None, None, None, None, None
+        return grad_y, grad_w, None, None, None, None, None, None
 
 
 def combine_with_grad(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle,
@@ -103,12 +105,24 @@ def combine_with_grad(buffer: Buffer, y: torch.Tensor, handle: DispatchHandle,
     y: float [N, H] expert outputs in the dispatch output order (requires grad);
     topk_weights: float [T, k], the same tensor given to dispatch (its values were sent with the
       tokens; passing it here lets the weights receive their gradient); None: no weight gradient.
-    The forward is ``Buffer.combine`` (weights applied when ``weighted``)."""
-    get_payload(backward_payload)
-    if topk_weights is not None and tuple(topk_weights.shape) != (handle.num_tokens, handle.num_topk):
-        raise ValueError(f"topk_weights: expected shape {(handle.num_tokens, handle.num_topk)} (the dispatched "
-                         f"weights), got {tuple(topk_weights.shape)}")
-    return _Combine.apply(y, topk_weights, buffer, handle, weighted, payload, backward_payload)
+    The forward is ``Buffer.combine`` (weights applied when ``weighted``). A failed check here raises
+    on every rank of a gloo group, as the combine's own checks do."""
+    error = _check_payload(backward_payload, "backward_payload")
+    if error is None and topk_weights is not None and isinstance(handle, DispatchHandle):
+        expect = (handle.num_tokens, handle.num_topk)
+        if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != expect:
+            shape = tuple(topk_weights.shape) if isinstance(topk_weights, torch.Tensor) else type(topk_weights).__name__
+            error = ValueError(f"topk_weights: expected shape {expect} (the dispatched weights), got {shape}")
+    return _Combine.apply(y, topk_weights, buffer, handle, weighted, payload, backward_payload, error)
+
+
+def _check_payload(payload, name: str) -> ValueError | None:
+    """The ValueError get_payload raises for ``payload`` (naming ``name``), or None."""
+    try:
+        get_payload(payload)
+    except ValueError as e:
+        return ValueError(str(e).replace("payload:", f"{name}:", 1))
+    return None
 
 
 __all__ = ["dispatch_with_grad", "combine_with_grad"]

@@ -18,6 +18,13 @@ rank):
      converted to FP8 1x128.
 A dispatch given a ``handle`` reuses its layout: no count or metadata exchange, no host sync.
 
+Bad input on one rank raises ValueError on every rank, not only there: the synced dispatch's count
+rows carry each rank's verdict on its arguments; on gloo groups (host memory, nothing to wait for)
+the cached dispatch, the sync-free dispatch and combine first exchange one small row of verdicts and
+sizes (``Buffer._agree``); on CUDA groups those three raise on the failing rank only (a verdict
+exchange would be a host sync per call), and a sync-free dispatch reports bad tokens or routing
+through ``DispatchHandle.check()``.
+
 Combine (no host synchronisation; the handle holds the split sizes) returns BF16 [T, H]. It APPLIES
 the top-k weights by default (``weighted=True``; pass ``weighted=False`` when the caller has already
 weighted the expert outputs). Its arithmetic, which the tests reproduce bit for bit:
@@ -57,6 +64,7 @@ ROW_ALIGN = 128  # bytes: DispatchOutput.rows starts each row on a cache line
 # then gathered by destination.
 PUSH_ROW_BYTES = 16384
 _SIGNATURE = ("hidden", "num_topk", "num_experts", "world_size", "payload")
+_AGREE_WIDTH = 8  # int64 per rank in the check agreement of gloo groups (Buffer._agree)
 
 
 @dataclass
@@ -475,29 +483,88 @@ class Buffer:
           settings (push). The valid rows hold the bits of a
           synced dispatch of the same tokens.
         """
-        if return_fp8 not in (False, True, "rows", "tokens"):
-            raise ValueError(f"return_fp8: expected False, True, 'rows' or 'tokens', got {return_fp8!r}")
-        alignment = _check_alignment(expert_alignment, handle if isinstance(handle, DispatchHandle) else None)
-        codec = get_payload(payload) if payload is not None else self.payload
-        local_error = None
-        if max_recv_tokens is not None or max_recv_rows is not None:
-            self._check_sync_free(handle, max_recv_tokens, max_recv_rows)
+        return self._dispatch(x, topk_idx, topk_weights, handle, payload, return_fp8, expert_alignment,
+                              max_recv_tokens, max_recv_rows)
+
+    def _dispatch(self, x, topk_idx, topk_weights, handle, payload, return_fp8, expert_alignment, max_recv_tokens,
+                  max_recv_rows, prior_error: ValueError | None = None) -> DispatchOutput:
+        """``dispatch``; prior_error: a caller's own failed check (the autograd wrappers'), raised on
+        every rank like a failed check of the arguments here."""
+        sync_free = max_recv_tokens is not None or max_recv_rows is not None
+        codec, alignment = None, 1
+        try:  # the arguments' checks: kept, not raised, until the ranks have agreed (see _agree)
+            if prior_error is not None:
+                raise prior_error
+            if return_fp8 not in (False, True, "rows", "tokens"):
+                raise ValueError(f"return_fp8: expected False, True, 'rows' or 'tokens', got {return_fp8!r}")
+            alignment = _check_alignment(expert_alignment, handle if isinstance(handle, DispatchHandle) else None)
+            codec = get_payload(payload) if payload is not None else self.payload
+            if sync_free:
+                self._check_sync_free(handle, max_recv_tokens, max_recv_rows)
+            elif handle is not None:
+                self._check_handle(handle)
+                self._check_x(x, codec)
+                if x.shape[0] != handle.num_tokens:
+                    raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {x.shape[0]}")
+            error = None
+        except ValueError as e:
+            error = e
+        if sync_free:
+            # the transfers' sizes follow from N, k, H and the payload: agree on them (and on the
+            # arguments) before the first transfer; bad tokens or routing are reported by check()
+            readable = isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(topk_idx, torch.Tensor) \
+                and topk_idx.dim() == 2 and 1 <= topk_idx.shape[1] <= MAX_TOPK
+            if error is None and not readable:  # this rank cannot size the transfers
+                error = self._input_error(x, topk_idx, topk_weights, codec) or ValueError(
+                    f"x, topk_idx: expected tensors [T, H] and [T, k], got {_describe(x)} and {_describe(topk_idx)}")
+            self._agree("dispatch", error, {} if error is not None else dict(
+                max_recv_tokens=max_recv_tokens, num_topk=topk_idx.shape[1], hidden=x.shape[1],
+                payload=PAYLOAD_IDS.get(codec.name, -1)))
             handle, local_error = self._exchange_layout_sync_free(x, topk_idx, topk_weights, codec, alignment,
                                                                   max_recv_tokens, max_recv_rows)
             if local_error is not None:  # take part in the payload transfer with nothing to send
                 x = torch.zeros(1, handle.hidden, dtype=torch.bfloat16, device=self.device)
                 return_fp8 = False
-        elif handle is not None:
-            self._check_handle(handle)
-            self._check_x(x, codec)
-            if x.shape[0] != handle.num_tokens:
-                raise ValueError(f"x: the handle was made for {handle.num_tokens} tokens, got {x.shape[0]}")
-        else:
-            handle = self._exchange_layout(x, topk_idx, topk_weights, codec, alignment)
-        out = self._send_payload(x, codec, handle, return_fp8)
-        if local_error is not None:
-            raise local_error
-        return out
+            out = self._send_payload(x, codec, handle, return_fp8)
+            if local_error is not None:
+                raise local_error
+            return out
+        if handle is not None:
+            self._agree("dispatch", error, {} if error is not None else dict(
+                hidden=x.shape[1], payload=PAYLOAD_IDS.get(codec.name, -1)))
+        else:  # the count exchange carries the verdicts
+            handle = self._exchange_layout(x, topk_idx, topk_weights, codec, alignment, error)
+        return self._send_payload(x, codec, handle, return_fp8)
+
+    def _agree(self, what: str, error: ValueError | None, signature: dict[str, int]) -> None:
+        """Ranks agree on their local checks before a collective that follows them, so that a check
+        failing on one rank raises ValueError on every rank instead of leaving the others blocked in
+        the transfer. On a group whose tensors live in host memory (gloo) every rank sends every rank
+        [failed, *signature] (one small all-to-all; no device to wait for) and raises if any rank
+        failed (that rank its own error) or the signatures differ (name -> int: what every rank must
+        share, as the transfers' sizes follow from it). On CUDA this would be a host sync per call
+        (and no CUDA graph), so there a failed check raises on its rank only, and the peers wait in
+        the transfer until the group's timeout."""
+        if self.world_size == 1 or self.device.type != "cpu":
+            if error is not None:
+                raise error
+            return
+        row = [0 if error is None else 1] + [int(v) for v in signature.values()]
+        row += [0] * (_AGREE_WIDTH - len(row))
+        sent = torch.tensor([row] * self.world_size, dtype=torch.int64)
+        got = torch.empty_like(sent)
+        self.backend.all_to_all(got, sent, None, None)
+        peers = got.tolist()
+        if error is not None:
+            raise error
+        bad = [s for s, p in enumerate(peers) if p[0]]
+        if bad:
+            raise ValueError(f"{what}: rank(s) {bad} rejected their inputs (see the error raised there); the {what} "
+                             "was abandoned on every rank")
+        diff = [f"{key} {a} here vs {b} on rank {s}" for s, p in enumerate(peers)
+                for key, a, b in zip(signature, row[1:], p[1:]) if a != b]
+        if diff:
+            raise ValueError(f"{what}: ranks disagree: " + ", ".join(diff))
 
     def _check_sync_free(self, handle, max_recv_tokens, max_recv_rows) -> None:
         if handle is not None:
@@ -569,9 +636,12 @@ class Buffer:
             return e
         return None
 
-    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec, alignment: int = 1) -> DispatchHandle:
+    def _exchange_layout(self, x, topk_idx, topk_weights, codec: PayloadCodec | None, alignment: int = 1,
+                         error: ValueError | None = None) -> DispatchHandle:
+        """The synced dispatch's count exchange; ``error``: this rank's failed argument check (sent as
+        the error flag, then raised)."""
         w, n_exp, ell = self.world_size, self.num_experts, self.experts_per_rank
-        local_error = self._input_error(x, topk_idx, topk_weights, codec)
+        local_error = error if error is not None else self._input_error(x, topk_idx, topk_weights, codec)
         # One count row per destination rank (routing.send_layout), of a width that does not depend on
         # k, so that ranks that disagree (on k, say) still exchange cleanly and all raise the same
         # ValueError; a rank that rejected its inputs sends rows with only the error flag set.
@@ -640,7 +710,7 @@ class Buffer:
         if local_error is not None:
             readable = isinstance(x, torch.Tensor) and x.dim() == 2 and isinstance(topk_idx, torch.Tensor) \
                 and topk_idx.dim() == 2 and 1 <= topk_idx.shape[1] <= MAX_TOPK
-            if not readable:
+            if not readable:  # (on gloo the ranks have agreed on this already: see _agree)
                 raise local_error
         k, hidden = topk_idx.shape[1], x.shape[1]
         tokens = x.shape[0] if local_error is None else 0
@@ -693,15 +763,30 @@ class Buffer:
         weighted: True multiplies row (t, j) by topk_weights[t, j] (the weights given to dispatch);
           False sums the rows as they are (the caller weighted them);
         payload: the wire format of the partial sums ("bf16" by default).
-        Returns bfloat16 [T, H'] (see the module docstring for the exact arithmetic). No host sync.
+        Returns bfloat16 [T, H'] (see the module docstring for the exact arithmetic). No host sync (on
+        a gloo group the ranks first agree on their checks: bad input on one rank raises ValueError on
+        every rank).
         """
-        codec = get_payload(payload)
-        self._check_handle(handle)
-        self._check_x(y, codec, "y")
-        if y.shape[0] != handle.num_rows:
-            raise ValueError(f"y: expected {handle.num_rows} rows (the dispatch output's), got {y.shape[0]}")
-        if weighted and handle.recv_topk_weights is None:
-            raise ValueError("weighted: the dispatch had no topk_weights; pass weighted=False or dispatch weights")
+        return self._combine(y, handle, weighted, payload)
+
+    def _combine(self, y, handle, weighted, payload, prior_error: ValueError | None = None) -> torch.Tensor:
+        """``combine``; prior_error: a caller's own failed check, raised on every rank (see _agree)."""
+        codec = None
+        try:
+            if prior_error is not None:
+                raise prior_error
+            codec = get_payload(payload)
+            self._check_handle(handle)
+            self._check_x(y, codec, "y")
+            if y.shape[0] != handle.num_rows:
+                raise ValueError(f"y: expected {handle.num_rows} rows (the dispatch output's), got {y.shape[0]}")
+            if weighted and handle.recv_topk_weights is None:
+                raise ValueError("weighted: the dispatch had no topk_weights; pass weighted=False or dispatch weights")
+            error = None
+        except ValueError as e:
+            error = e
+        self._agree("combine", error, {} if error is not None else dict(
+            hidden=y.shape[1], payload=PAYLOAD_IDS.get(codec.name, -1)))
         if self._direct(y):
             return symmetric.combine_sums(self.backend, y, handle, handle.recv_topk_weights if weighted else None,
                                           codec)
