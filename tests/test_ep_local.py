@@ -846,3 +846,29 @@ def test_scatter_rows_and_errors():
         ops.quantize_fp8_blockwise_rows_multi(torch.randn(30, 128), [torch.zeros(30, 132, dtype=torch.uint8)], one,
                                               bulk_stores="yes")
 
+
+
+def test_dispatch_bench_report_marks_gpu_goals_and_cpu_noise():
+    """The dispatch benchmark's report: a spread column, a legend naming every column group, goals
+    marked as GPU goals (verdicts on CUDA only) and a noise note on CPU."""
+    from moe_fp4.ep import bench
+
+    def row(fmt, us, spread):
+        return dict(tokens=512, fmt=fmt, backend="gloo", row_bytes=100, wire_mb=1.0, a2a_us=us, a2a_gbs=1.0,
+                    layout_us=2 * us, free_us=2 * us, disp_us=us, gbs=1.0, link=0.9, comb_us=us, e2e_us=us,
+                    tok_us=us, spread=spread)
+
+    rows = [row("bf16", 100.0, 0.1), row("fp8", 60.0, 0.2), row("mxfp4", 30.0, 1.5)]
+    rows[2]["link"] = 0.5  # below the 85% goal
+    table = bench.format_table(rows)
+    head = table.splitlines()[0]
+    assert head.endswith("| spread |") and table.splitlines()[-1].endswith("| 150% |")
+    for column in ("row B", "a2a us", "full us", "free us", "dispatch us", "combine us", "e2e us", "tok us", "spread"):
+        assert column in head and column in bench.LEGEND
+    cpu = bench.goals(rows, "cpu")
+    assert cpu[0].startswith("GPU goals (not judged on CPU") and not any("met" in line for line in cpu)
+    gpu = bench.goals(rows, "cuda")
+    assert gpu[0] == "GPU goals:" and any(": met" in line for line in gpu) and any("NOT met" in line for line in gpu)
+    assert "noise-dominated" in bench.noise_note(rows, "cpu") and "150%" in bench.noise_note(rows, "cpu")
+    assert "150%" in bench.noise_note(rows, "cuda")
+    assert bench.noise_note([row("bf16", 100.0, 0.1)], "cuda") is None
