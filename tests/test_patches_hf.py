@@ -254,7 +254,7 @@ def check_patched_mixtral(pool, payload):
 
 
 def assert_within_tolerances(results: list, payload: str) -> None:
-    """The documented bounds (patches/README.md), on every rank; measured at SEED in the comments
+    """The documented bounds (moe_fp4/integrations/README.md), on every rank; measured at SEED in the comments
     (seeds 0 to 11 without a flip in brackets)."""
     for rank, r in enumerate(results):
         where = f"seed {SEED}, rank {rank}, {payload}"
