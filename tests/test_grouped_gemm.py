@@ -180,7 +180,9 @@ def test_wgrad_bad_arguments():
     _, _, b, b_s = ops.quantize_fp8_rows_cols(x)
     offs, lens = torch.tensor(offsets), torch.tensor([130, 10])
     cases = [
-        (dict(offs=torch.tensor([0, 200])), "multiple of 128"),
+        (dict(offs=torch.tensor([0, 208])), "multiple of 128"),
+        (dict(offs=torch.tensor([0, 200]), a_base=torch.tensor([0, 1]), b_base=torch.tensor([0, 1])),
+         "multiple of 16"),
         (dict(a=a.float()), "a_cols"),
         (dict(b=b[:200]), "b_cols"),
         (dict(a_s=a_s[:, :1].double()), "a_scales"),

@@ -27,8 +27,8 @@ except ImportError:  # (CPU machines without Triton: the torch reference runs in
 BLOCK_M = 128  # with 8 warps: one 128 x 128 float32 accumulator and one block product in registers
 BLOCK_N = 128  # one weight scale per program and K block
 BLOCK_K = 128
-ROWS_STAGES = 5
-WGRAD_STAGES = 4
+ROWS_STAGES = 4
+WGRAD_STAGES = 3
 
 
 def available(t: torch.Tensor) -> bool:
@@ -83,7 +83,7 @@ if triton is not None:
 
     @triton.jit
     def _grouped_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr, a_base_ptr,
-                              b_base_ptr, n, kdim, n_blocks, k_blocks,
+                              b_base_ptr, n, kdim, n_blocks, k_blocks, tokens_a, tokens_b,
                               stride_a, stride_asr, stride_asc, stride_b, stride_bsr, stride_bsc,
                               ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
         pid = tl.program_id(0)
@@ -92,33 +92,42 @@ if triton is not None:
         t = pid % tiles
         pid_n = t // k_blocks
         pid_k = t % k_blocks
-        first = tl.load(offs_ptr + g).to(tl.int64)
+        # groups start on multiples of 16 rows (checked by the wrapper): the tile rows are then
+        # 16-byte aligned, which lets the loads go 16 bytes at a time through the async copy pipeline
+        first = tl.multiple_of(tl.load(offs_ptr + g).to(tl.int64), 16)
         count = tl.load(lens_ptr + g).to(tl.int64)
         base_a = tl.load(a_base_ptr + g).to(tl.int64)
         base_b = tl.load(b_base_ptr + g).to(tl.int64)
         rows_a = (pid_n * BM + tl.arange(0, BM)).to(tl.int64)
         rows_b = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
         tokens = tl.arange(0, BK)
-        a_rows = a_ptr + rows_a[:, None] * stride_a + first + tokens[None, :]
-        b_rows = b_ptr + rows_b[:, None] * stride_b + first + tokens[None, :]
+        a_ptrs = a_ptr + rows_a[:, None] * stride_a + first + tokens[None, :]
+        b_ptrs = b_ptr + rows_b[:, None] * stride_b + first + tokens[None, :]
         a_sc = a_scale_ptr + rows_a * stride_asr + base_a * stride_asc
         b_sc = b_scale_ptr + rows_b * stride_bsr + base_b * stride_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
-        full = count // BK
-        # whole blocks without a mask: a mask along the tokens (the unit-stride dimension) would
-        # split the loads into single bytes
-        for j in range(0, full):
-            a = tl.load(a_rows + j * BK)
-            b = tl.load(b_rows + j * BK)
-            sa = tl.load(a_sc + j * stride_asc)
-            sb = tl.load(b_sc + j * stride_bsc)
+        full = (count // BK).to(tl.int32)
+        for _ in range(0, full):
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+            sa = tl.load(a_sc)
+            sb = tl.load(b_sc)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
+            a_ptrs += BK
+            b_ptrs += BK
+            a_sc += stride_asc
+            b_sc += stride_bsc
         if full * BK < count:  # the group's last, partial block
-            ok = full * BK + tokens < count
-            a = tl.load(a_rows + full * BK, mask=ok[None, :], other=0.0)
-            b = tl.load(b_rows + full * BK, mask=ok[None, :], other=0.0)
-            sa = tl.load(a_sc + full * stride_asc)
-            sb = tl.load(b_sc + full * stride_bsc)
+            # loads by 16 tokens (inside the operands' columns), then the tokens past the group zeroed
+            r = full * BK + tokens
+            r16 = tl.multiple_of((count + 15) // 16 * 16, 16)
+            col = first + r
+            a = tl.load(a_ptrs, mask=(r < r16)[None, :] & (col < tokens_a)[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(r < r16)[None, :] & (col < tokens_b)[None, :], other=0.0)
+            a = tl.where((r < count)[None, :], a, 0.0)
+            b = tl.where((r < count)[None, :], b, 0.0)
+            sa = tl.load(a_sc)
+            sb = tl.load(b_sc)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         out = out_ptr + g.to(tl.int64) * n * kdim + rows_a[:, None] * kdim + rows_b[None, :]
         if ACCUMULATE:
@@ -189,14 +198,20 @@ def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.T
 
 
 def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b_base, out, accumulate) -> None:
-    """As moe_fp4.moe.grouped_gemm_fp8_wgrad (arguments checked there): writes out float32 [G, N, K]."""
+    """As moe_fp4.moe.grouped_gemm_fp8_wgrad (arguments checked there, group offsets multiples of 16):
+    writes out float32 [G, N, K]. Scales are read per token block for 128 columns at a time, so they
+    are given to the kernel block-major ([blocks, columns] contiguous: one 512-byte read)."""
     g, n, kdim = out.shape
     if g == 0:
         return
+    if a_scales.stride(0) != 1:
+        a_scales = a_scales.t().contiguous().t()
+    if b_scales.stride(0) != 1:
+        b_scales = b_scales.t().contiguous().t()
     n_blocks, k_blocks = n // BLOCK_M, kdim // BLOCK_N
     grid = (g * n_blocks * k_blocks,)
     _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, a_base, b_base,
-                                n, kdim, n_blocks, k_blocks,
+                                n, kdim, n_blocks, k_blocks, a.shape[1], b.shape[1],
                                 a.stride(0), a_scales.stride(0), a_scales.stride(1),
                                 b.stride(0), b_scales.stride(0), b_scales.stride(1),
                                 ACCUMULATE=accumulate, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8,

@@ -44,7 +44,8 @@ def _fp8_tiles(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     g, n, k = w.shape
     data, scales, data_t = ops.quantize_fp8_tiles(w.detach().reshape(g * n, k))
     scales = scales.view(g, n // ALIGN, k // ALIGN)
-    data_t = data_t.view(k, g, n).permute(1, 0, 2).contiguous()
+    # (moved as 8-byte words: N is a multiple of 128)
+    data_t = data_t.view(torch.int64).view(k, g, n // 8).permute(1, 0, 2).contiguous().view(data.dtype)
     return data.view(g, n, k), scales, data_t, scales.transpose(1, 2).contiguous()
 
 

@@ -18,6 +18,7 @@ from moe_fp4.moe import _triton_grouped_gemm
 
 FP8 = torch.float8_e4m3fn
 BLOCK = formats.FP8_GROUP  # 128: the activations' 1x128 groups and the weights' 128x128 tiles
+WGRAD_ROW_ALIGN = 16  # the weight gradient's groups start on 16-row (16-byte) boundaries: aligned loads
 
 
 def _describe(t) -> str:
@@ -157,6 +158,9 @@ def _validate_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_len
         for e, ((lo, hi), s) in enumerate(zip(bounds, base.tolist())):
             if hi == lo:
                 continue
+            if lo % WGRAD_ROW_ALIGN:
+                raise ValueError(f"split_offsets: group {e} starts at row {lo}; the weight gradient needs every "
+                                 f"group to start on a multiple of {WGRAD_ROW_ALIGN} rows")
             if given is None and lo % BLOCK:
                 raise ValueError(f"split_offsets: group {e} starts at row {lo}; without {name} the scales are "
                                  f"taken per 128 rows from row 0, so each group must start on a multiple of {BLOCK}")
@@ -182,7 +186,8 @@ def grouped_gemm_fp8_wgrad(a_cols: torch.Tensor, a_scales: torch.Tensor, b_cols:
     a_scale_offsets / b_scale_offsets: int64 [G], or None for split_offsets / 128 (the layout of
       ``quantize_fp8_rows_cols``, whose blocks start at multiples of 128 from row 0: then every group
       must start on a multiple of 128); ``mxfp4_rows_to_fp8_cols``' group offsets[:-1] for its columns;
-    split_offsets / split_lens: int64 [G], as for ``grouped_gemm_fp8``;
+    split_offsets / split_lens: int64 [G], as for ``grouped_gemm_fp8``, every group starting on a
+      multiple of 16 rows (a dispatch's expert_alignment of 16 or more);
     out: a float32 [G, N, K] tensor to add the result to (weight gradients accumulated in float32
       over micro-batches), or None for a new one. Empty groups give zeros (or leave out unchanged).
     validate: check the splits and the scale columns on the host (one synchronisation); False: the
