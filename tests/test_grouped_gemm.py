@@ -144,6 +144,8 @@ def test_wgrad_matches_float64(lens):
         assert int(out[e].count_nonzero()) > 0
     again = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, out=out.clone())  # accumulation
     assert torch.equal(again, out * 2)
+    bf16 = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, out_dtype=torch.bfloat16)
+    assert torch.equal(bf16, out.bfloat16())  # float32 sums, rounded once
 
 
 def test_wgrad_mxfp4_columns_with_group_scale_offsets():
@@ -190,12 +192,15 @@ def test_wgrad_bad_arguments():
         (dict(out=torch.zeros(2, 384, 128)), "out"),
         (dict(a_base=torch.tensor([0, 5])), "a_scale_offsets"),
         (dict(b_base=torch.tensor([0.0, 1.0])), "b_scale_offsets"),
+        (dict(out_dtype=torch.float16), "out_dtype"),
     ]
     for change, word in cases:
-        args = dict(a=a, a_s=a_s, b=b, b_s=b_s, offs=offs, lens=lens, a_base=None, b_base=None, out=None) | change
+        args = dict(a=a, a_s=a_s, b=b, b_s=b_s, offs=offs, lens=lens, a_base=None, b_base=None, out=None,
+                    out_dtype=torch.float32) | change
         with pytest.raises(ValueError, match=word):
             grouped_gemm_fp8_wgrad(args["a"], args["a_s"], args["b"], args["b_s"], args["offs"], args["lens"],
-                                   a_scale_offsets=args["a_base"], b_scale_offsets=args["b_base"], out=args["out"])
+                                   a_scale_offsets=args["a_base"], b_scale_offsets=args["b_base"], out=args["out"],
+                                   out_dtype=args["out_dtype"])
 
 
 def test_dgrad_through_transposed_weight_tiles():
@@ -254,6 +259,17 @@ ref = gg.grouped_gemm_fp8_wgrad_reference(dy_t, dy_ts, x_t, x_ts, o, l)
 assert float((out - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -18, "wgrad"
 again = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out=out.clone())
 assert torch.equal(again, out * 2), "wgrad accumulation"
+b16 = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out_dtype=torch.bfloat16)
+# (the interpreter's float32 -> bfloat16 conversion need not round to nearest: one bfloat16 step)
+assert bool(((b16.float() - out).abs() <= out.abs() * 2 ** -7).all()), "wgrad bfloat16 output"
+from moe_fp4.moe import _triton_swiglu as sw
+y1 = (torch.randn(70, 512) * 3).bfloat16(); dh = torch.randn(70, 256).bfloat16()
+gate, up = y1.float().chunk(2, -1)
+ref = (torch.nn.functional.silu(gate) * up).bfloat16().float()
+assert bool(((sw.swiglu(y1).float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-30).all()), "swiglu"
+sig = torch.sigmoid(gate)
+ref = torch.cat((dh.float() * up * sig * (1 + gate * (1 - sig)), dh.float() * gate * sig), -1).bfloat16().float()
+assert bool(((sw.swiglu_backward(dh, y1).float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-30).all()), "swiglu bwd"
 print("@ok")
 """
 

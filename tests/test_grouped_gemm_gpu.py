@@ -119,6 +119,8 @@ def test_triton_wgrad_matches_reference(n, k):
     acc = torch.full_like(out, 0.5)
     grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, out=acc)
     assert torch.equal(acc, out + 0.5)
+    b16 = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls, out_dtype=torch.bfloat16)
+    assert torch.equal(b16, out.bfloat16())  # the float32 sums rounded once, to nearest
 
     packed, mx = ops.quantize_mxfp4(x)
     c_t, c_ts, goff = ops.mxfp4_rows_to_fp8_cols(packed, mx, ls, offs)

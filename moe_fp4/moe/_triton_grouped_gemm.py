@@ -5,8 +5,8 @@ rows kernel (fprop and dgrad): out[r] = a[r] @ b_g^T for the rows r of group g; 
   b_g [N, K] FP8 in 128x128 tiles (w_g for fprop, w_g^T for dgrad). Each program computes one
   128 x 128 output tile; it finds its group from the split lengths on the device (no host
   synchronisation; the grid is sized for the worst case and programs past the last tile return).
-  The programs of one row tile are adjacent (the N tiles vary fastest), so the 128 rows of a are read
-  from memory once and then from L2 by the programs of the other N tiles.
+  The programs run in bands of 8 row tiles (all N tiles of a band before the next band), so rows of a
+  and weight tiles are read from memory about once and then from L2.
 wgrad kernel: out[g] = a_g^T-contracted: out[g][i, j] = sum over the rows r of group g of
   a[i, r] b[j, r]; both operands are FP8 columns (tokens along the contiguous dimension) with one
   scale per 128 tokens of each column, the blocks anchored at the group's first row.
@@ -29,6 +29,7 @@ BLOCK_N = 128  # one weight scale per program and K block
 BLOCK_K = 128
 ROWS_STAGES = 4
 WGRAD_STAGES = 3
+GROUP_M = 8
 
 
 def available(t: torch.Tensor) -> bool:
@@ -43,10 +44,14 @@ if triton is not None:
                              m, n, k_blocks, n_blocks,
                              stride_am, stride_asm, stride_ask,
                              stride_bg, stride_bn, stride_sg, stride_sn, stride_sk,
-                             GP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                             GP: tl.constexpr, GROUP_M: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr):
+        # bands of GROUP_M row tiles, the N tiles of a band in turn: the programs running together
+        # share their rows of a and their weight tiles through L2
         pid = tl.program_id(0)
-        pid_m = pid // n_blocks
-        pid_n = pid % n_blocks
+        band = GROUP_M * n_blocks
+        pid_m = (pid // band) * GROUP_M + (pid % band) % GROUP_M
+        pid_n = (pid % band) // GROUP_M
         # this row tile's group: the tiles of all groups numbered in group order (a prefix sum of
         # each group's tile count; no table built beforehand)
         e = tl.arange(0, GP)
@@ -132,7 +137,7 @@ if triton is not None:
         out = out_ptr + g.to(tl.int64) * n * kdim + rows_a[:, None] * kdim + rows_b[None, :]
         if ACCUMULATE:
             acc += tl.load(out)
-        tl.store(out, acc)
+        tl.store(out, acc.to(out_ptr.dtype.element_ty))
 
 
 if triton is not None:
@@ -189,18 +194,21 @@ def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.T
     if g == 0:
         return out
     n_blocks = n // BLOCK_N
-    grid = ((m // BLOCK_M + g) * n_blocks,)
+    row_tiles = -(-(m // BLOCK_M + g) // GROUP_M) * GROUP_M  # (whole bands; tiles past the groups' return)
+    grid = (row_tiles * n_blocks,)
     _grouped_rows_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, g, m, n, k // BLOCK_K,
                                n_blocks, a.stride(0), a_scales.stride(0), a_scales.stride(1),
                                b.stride(0), b.stride(1), b_scales.stride(0), b_scales.stride(1), b_scales.stride(2),
-                               GP=_pow2(g), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8, num_stages=ROWS_STAGES)
+                               GP=_pow2(g), GROUP_M=GROUP_M, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8,
+                               num_stages=ROWS_STAGES)
     return out
 
 
 def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b_base, out, accumulate) -> None:
     """As moe_fp4.moe.grouped_gemm_fp8_wgrad (arguments checked there, group offsets multiples of 16):
-    writes out float32 [G, N, K]. Scales are read per token block for 128 columns at a time, so they
-    are given to the kernel block-major ([blocks, columns] contiguous: one 512-byte read)."""
+    writes out [G, N, K] (float32 sums, stored in out's dtype). Scales are read per token block for
+    128 columns at a time, so they are given to the kernel block-major ([blocks, columns] contiguous:
+    one 512-byte read)."""
     g, n, kdim = out.shape
     if g == 0:
         return

@@ -26,9 +26,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from moe_fp4 import formats, ops
+from moe_fp4.moe._triton_swiglu import swiglu as _swiglu
+from moe_fp4.moe._triton_swiglu import swiglu_backward as _swiglu_backward
 from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8, grouped_gemm_fp8_wgrad
 
 SAVE_POLICIES = ("mxfp4", "fp8", "bf16", "recompute")
@@ -47,20 +48,6 @@ def _fp8_tiles(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
     # (moved as 8-byte words: N is a multiple of 128)
     data_t = data_t.view(torch.int64).view(k, g, n // 8).permute(1, 0, 2).contiguous().view(data.dtype)
     return data.view(g, n, k), scales, data_t, scales.transpose(1, 2).contiguous()
-
-
-def _swiglu(y1: torch.Tensor) -> torch.Tensor:
-    gate, up = y1.float().chunk(2, dim=-1)
-    return (F.silu(gate) * up).to(torch.bfloat16)
-
-
-def _swiglu_backward(dh: torch.Tensor, y1: torch.Tensor) -> torch.Tensor:
-    gate, up = y1.float().chunk(2, dim=-1)
-    dh = dh.float()
-    sig = torch.sigmoid(gate)
-    d_gate = dh * up * sig * (1 + gate * (1 - sig))
-    d_up = dh * gate * sig
-    return torch.cat((d_gate, d_up), dim=-1).to(torch.bfloat16)
 
 
 def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +110,7 @@ class _ExpertsFunction(torch.autograd.Function):
 
         dy8, dys, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy.to(torch.bfloat16))
         h_t, h_ts = _cols(_swiglu(y1))
-        dw2 = grouped_gemm_fp8_wgrad(dy_t, dy_ts, h_t, h_ts, offs, lens, validate=False)
+        dw2 = grouped_gemm_fp8_wgrad(dy_t, dy_ts, h_t, h_ts, offs, lens, out_dtype=ctx.w_dtypes[1], validate=False)
         dh = grouped_gemm_fp8(dy8, dys, w2_t, w2_ts, offs, lens, validate=False)
         dy1 = _swiglu_backward(dh, y1)
         del dh, y1
@@ -141,10 +128,11 @@ class _ExpertsFunction(torch.autograd.Function):
             x_t, x_ts = saved_x
         else:
             x_t, x_ts = _cols(formats.dequantize_fp8_blockwise(saved_x[0], saved_x[1], dtype=torch.bfloat16))
-        dw1 = grouped_gemm_fp8_wgrad(d_t, d_ts, x_t, x_ts, offs, lens, b_scale_offsets=x_base, validate=False)
+        dw1 = grouped_gemm_fp8_wgrad(d_t, d_ts, x_t, x_ts, offs, lens, b_scale_offsets=x_base,
+                                     out_dtype=ctx.w_dtypes[0], validate=False)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
-        return (dx, dw1.to(ctx.w_dtypes[0]), dw2.to(ctx.w_dtypes[1]), None, None, None, None, None, None, None)
+        return (dx, dw1, dw2, None, None, None, None, None, None, None)
 
 
 class Experts(torch.nn.Module):

@@ -173,7 +173,7 @@ def grouped_gemm_fp8_wgrad(a_cols: torch.Tensor, a_scales: torch.Tensor, b_cols:
                            b_scales: torch.Tensor, split_offsets: torch.Tensor, split_lens: torch.Tensor, *,
                            a_scale_offsets: torch.Tensor | None = None,
                            b_scale_offsets: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                           validate: bool = True) -> torch.Tensor:
+                           out_dtype: torch.dtype = torch.float32, validate: bool = True) -> torch.Tensor:
     """The weight gradient of a grouped GEMM: out[g][i, j] = sum over the rows r of group g of
     a_cols[i, r] * b_cols[j, r], float32 [G, N, K] (for y = x @ w_g^T: a_cols = dy^T, b_cols = x^T).
 
@@ -190,6 +190,8 @@ def grouped_gemm_fp8_wgrad(a_cols: torch.Tensor, a_scales: torch.Tensor, b_cols:
       multiple of 16 rows (a dispatch's expert_alignment of 16 or more);
     out: a float32 [G, N, K] tensor to add the result to (weight gradients accumulated in float32
       over micro-batches), or None for a new one. Empty groups give zeros (or leave out unchanged).
+    out_dtype: the new tensor's dtype when out is None: float32, or bfloat16 for BF16 master weights
+      (the sums are float32 either way, rounded once at the end).
     validate: check the splits and the scale columns on the host (one synchronisation); False: the
       result of invalid splits is unspecified."""
     g, n, kdim, a_base, b_base = check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens,
@@ -198,8 +200,10 @@ def grouped_gemm_fp8_wgrad(a_cols: torch.Tensor, a_scales: torch.Tensor, b_cols:
         _validate_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
                         b_scale_offsets, a_base, b_base)
     accumulate = out is not None
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype: expected torch.float32 or torch.bfloat16, got {out_dtype}")
     if out is None:
-        out = torch.empty(g, n, kdim, dtype=torch.float32, device=a_cols.device)
+        out = torch.empty(g, n, kdim, dtype=out_dtype, device=a_cols.device)
     if _triton_grouped_gemm.available(a_cols):
         for name, t in (("a_cols", a_cols), ("b_cols", b_cols)):
             if t.stride(1) != 1:
@@ -210,7 +214,7 @@ def grouped_gemm_fp8_wgrad(a_cols: torch.Tensor, a_scales: torch.Tensor, b_cols:
     result = _wgrad_reference(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_base, b_base)
     if accumulate:
         return out.add_(result)
-    return out.copy_(result)
+    return out.copy_(result)  # (rounded once to out's dtype)
 
 
 def _cols_dequant(cols, scales, lo, hi, base):
