@@ -771,7 +771,6 @@ class Buffer:
 
     def _combine(self, y, handle, weighted, payload, prior_error: ValueError | None = None) -> torch.Tensor:
         """``combine``; prior_error: a caller's own failed check, raised on every rank (see _agree)."""
-        codec = None
         try:
             if prior_error is not None:
                 raise prior_error
