@@ -11,10 +11,12 @@ the same total). Per GEMM:
           ``grouped_gemm_fp8_wgrad``
 Columns: moe_fp4 (the default path, Triton); torch FP8 rowwise (``torch._scaled_grouped_mm``, one
 scale per row of each operand: a coarser scaling than ours, the fastest FP8 grouped GEMM in torch on
-Hopper; 128x128/1x128 block scales have none there); torch BF16 (``torch._grouped_mm``); DeepGEMM
+Hopper; 128x128/1x128 block scales have none there); torch BF16 (``torch._grouped_mm``, BF16 out,
+wgrad included: it takes no float32 output for BF16 operands); DeepGEMM
 (``m_grouped_fp8_gemm_nt_contiguous`` and, for wgrad, ``k_grouped_fp8_gemm_nt_contiguous``, the
-same scaling as ours) when ``deep_gemm`` imports. TFLOP/s = 2 x (rows of the groups) x N x K / time;
-times are CUDA-event medians of one call each (the default stream, inputs ready).
+same scaling as ours) when ``deep_gemm`` imports and a small call of it succeeds in a child
+process. TFLOP/s = 2 x (rows of the groups) x N x K / time; times are CUDA-event medians of one call
+each (the default stream, inputs ready).
 Then the expert MLP (``Experts``) forward + backward per save policy against the same MLP on BF16
 grouped GEMMs (torch._grouped_mm forward, dgrad and wgrad), and the FP8 ceiling of this GPU: one
 dense ``torch._scaled_mm`` of 8192^3 with rowwise scales.
@@ -157,7 +159,7 @@ def _projection(m, g, lens, n, k, iters, dg, seed):
     bf16 = {
         "fprop": lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends32, out_dtype=torch.bfloat16),
         "dgrad": lambda: torch._grouped_mm(dy, wt.transpose(-2, -1), offs=ends32, out_dtype=torch.bfloat16),
-        "wgrad": lambda: torch._grouped_mm(dytb, xtb.t(), offs=ends32, out_dtype=torch.float32),
+        "wgrad": lambda: torch._grouped_mm(dytb, xtb.t(), offs=ends32, out_dtype=torch.bfloat16),
     }
     deep, notes = {}, set()
     if dg is not None:
