@@ -20,11 +20,16 @@ import torch.nn.functional as F
 
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
+from moe_fp4.ep.backends import LocalBackend
 from moe_fp4.moe.experts import ALIGN, Experts
 
 # policy -> (dispatch payload, Experts save policy or None for BF16 GEMMs)
 POLICIES = {"bf16": ("bf16", None), "fp8": ("fp8", "fp8"), "fp8-recompute": ("fp8", "recompute"),
             "mxfp4": ("mxfp4", "mxfp4")}
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 class Router(torch.nn.Module):
@@ -134,6 +139,8 @@ class MoELayer(torch.nn.Module):
             raise ValueError(f"policy: expected one of {tuple(POLICIES)}, got {policy!r}")
         payload, save = POLICIES[policy]
         self.policy, self.hidden = policy, hidden
+        if backend is None and group is None and device is not None and not _distributed():
+            backend = LocalBackend(device)  # one device without a process group
         self.buffer = Buffer(num_experts, group, payload=payload, backend=backend)
         local = self.buffer.experts_per_rank
         self.router = Router(hidden, num_experts, top_k, score=score, renormalize=renormalize,
