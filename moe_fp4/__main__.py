@@ -2,7 +2,7 @@
 
   payload  bytes per token and per batch of each all-to-all payload format
   build    build (or rebuild) the native CUDA ops
-  bench    run a benchmark: `bench dispatch`, `bench kernels`, `bench gemm`
+  bench    run a benchmark: `bench dispatch`, `bench kernels`, `bench gemm`, `bench moe`
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ _BENCHES = {
     "dispatch": "moe_fp4.ep.bench",
     "kernels": "moe_fp4.ops.bench",
     "gemm": "moe_fp4.moe.bench",
+    "moe": "moe_fp4.moe.bench_layer",
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: python -m moe_fp4 {payload,build,bench {dispatch,kernels,gemm}} [options]"
+    usage = "usage: python -m moe_fp4 {payload,build,bench {dispatch,kernels,gemm,moe}} [options]"
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip() + "\n\n" + usage)
         return 0
