@@ -90,9 +90,13 @@ class BF16Experts(torch.nn.Module):
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.w1 = torch.nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, dtype=dtype, device=device))
         self.w2 = torch.nn.Parameter(torch.empty(num_experts, hidden, intermediate, dtype=dtype, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """The initialisation of ``Experts.reset_parameters`` (the same draws from the same generator state)."""
         with torch.no_grad():
-            self.w1.normal_(0.0, 1.0 / math.sqrt(hidden))
-            self.w2.normal_(0.0, 1.0 / math.sqrt(intermediate))
+            self.w1.normal_(0.0, 1.0 / math.sqrt(self.hidden))
+            self.w2.normal_(0.0, 1.0 / math.sqrt(self.intermediate))
 
     def forward(self, x, split_offsets, split_lens, **_):
         # torch's groups run back to back (group e ends at ends[e]): the gap rows before an expert's
