@@ -14,7 +14,7 @@ import torch
 from _compare import assert_bitwise_equal
 
 from moe_fp4 import formats, ops
-from moe_fp4.ep.deep_ep_compat import Buffer, EventOverlap, Handle
+from moe_fp4.ep.deep_ep_compat import Buffer, Config, EventOverlap, Handle
 
 SCENARIOS = ("random", "empty_rank", "duplicates", "no_route")
 SEED = 3200
@@ -279,6 +279,10 @@ def case_mxfp4(ctx, seed):
     the documented bound; FP8 on request is the spec's direct conversion; combine over mxfp4."""
     rank, world = ctx.rank, ctx.world_size
     xs, idxs, ws, n_exp = make_world(seed, world, "random")
+    for x in xs:  # a zero block, and a block of tiny values next to a large one
+        if x.shape[0] >= 2:
+            x[0, :32] = 0
+            x[1, 32:64] *= 2.0 ** -30
     ell = n_exp // world
     what = f"seed {seed}"
     buf = Buffer(ctx.group)
@@ -488,12 +492,26 @@ def test_world_of_one_without_a_group():
     print(f"seed {seed}")
     xs, idxs, ws, n_exp = make_world(seed, 1, "random")
     buf = Buffer(None)
+    xs[0].requires_grad_()  # (as DeepEP's, the outputs carry no autograd history)
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(xs[0], topk_idx=idxs[0], topk_weights=ws[0],
                                                                **layout_args(buf, idxs[0], n_exp))
     order, want_idx, _ = expected_recv(idxs, ws, 0, n_exp)
     assert_bitwise_equal(recv_x, xs[0][[t for _, t in order]], f"recv_x (seed {seed})")
     assert_bitwise_equal(recv_idx, want_idx, f"recv_topk_idx (seed {seed})")
-    out, out_w, _ = buf.combine(recv_x, handle, recv_w)
+    assert not recv_x.requires_grad
+    out, out_w, _ = buf.combine(recv_x.requires_grad_(), handle, recv_w)
+    assert not out.requires_grad
+    # the arguments DeepEP tunes with are accepted; events are empty without CUDA
+    event = Buffer.capture()
+    config = Buffer.get_dispatch_config(2)
+    assert isinstance(config, Config) and config.get_nvl_buffer_size_hint(2 * 128, 2) == 0
+    again, _, _, _, _, event = buf.dispatch(xs[0], handle=handle, config=config, previous_event=event,
+                                            async_finish=True, allocate_on_comm_stream=True)
+    with event:
+        assert_bitwise_equal(again, recv_x.detach(), f"cached recv_x (seed {seed})")
+    out2, _, event = buf.combine(recv_x, handle, recv_w, config=Buffer.get_combine_config(2), async_finish=True)
+    event.current_stream_wait()
+    assert_bitwise_equal(out2, out, f"combined_x with async_finish (seed {seed})")
     routed = (idxs[0] >= 0).any(1, keepdim=True)
-    assert_bitwise_equal(out, torch.where(routed, xs[0], 0).to(torch.bfloat16), f"combined_x (seed {seed})")
+    assert_bitwise_equal(out, torch.where(routed, xs[0].detach(), 0).to(torch.bfloat16), f"combined_x (seed {seed})")
     assert_bitwise_equal(out_w, torch.where(idxs[0] >= 0, ws[0], 0.0), f"combined weights (seed {seed})")

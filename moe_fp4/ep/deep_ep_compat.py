@@ -309,6 +309,8 @@ class Buffer:
         Returns (recv_x, recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list, handle,
         event); a cached dispatch returns (recv_x, None, None, None, None, event)."""
         self._wait(previous_event)
+        x = _detached(x)  # (as DeepEP's, the outputs carry no autograd history)
+        topk_weights = _detached(topk_weights)
         cached = handle is not None
         error = None
         try:
@@ -443,6 +445,7 @@ class Buffer:
         payload: "bf16" (x's bits), "fp8", "mxfp4" or "nvfp4".
         Returns (combined_x x.dtype [T, H], combined_topk_weights float32 [T, k] or None, event)."""
         self._wait(previous_event)
+        x, topk_weights, bias = _detached(x), _detached(topk_weights), _detached(bias)
         try:
             if not isinstance(handle, Handle):
                 raise ValueError(f"handle: expected a Handle from this module's dispatch, got {type(handle).__name__}")
@@ -528,6 +531,15 @@ class Buffer:
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
+
+
+def _detached(v):
+    """A tensor (or a tuple of tensors) without autograd history; anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        return v.detach()
+    if isinstance(v, tuple):
+        return tuple(t.detach() if isinstance(t, torch.Tensor) else t for t in v)
+    return v
 
 
 def _check_x(x) -> int:
