@@ -24,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = int(os.environ.get("MOE_FP4_EXIT_RUNS", "2"))
+pytestmark = pytest.mark.timeout(120 + 60 * RUNS)  # a run takes 10 to 20 s on 2 cores
 
 # The names the README's snippet takes from its surroundings: a gloo group, a batch, a routing and
 # an expert layer (here: the FP8 rows decoded back to BF16).
