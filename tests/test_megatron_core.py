@@ -331,3 +331,229 @@ def test_hooks_rows_in_alltoall_order(pool):
 @needs_megatron
 def test_apply_revert_gpt_model(pool):
     pool.run(_case_apply_revert, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: a small GPT-MoE on 2 GPUs (NCCL), moe_fp4 against Megatron's alltoall dispatcher
+# ---------------------------------------------------------------------------------------------
+
+GPT = dict(layers=2, hidden=256, heads=4, ffn=512, moe_ffn=256, experts=4, topk=2, vocab=512, seq=64, batch=2)
+
+
+def _gpt_model(seed: int):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=GPT["layers"], hidden_size=GPT["hidden"], num_attention_heads=GPT["heads"],
+                               ffn_hidden_size=GPT["ffn"], moe_ffn_hidden_size=GPT["moe_ffn"],
+                               num_moe_experts=GPT["experts"], moe_router_topk=GPT["topk"],
+                               moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
+                               moe_router_dtype="fp32", add_bias_linear=False, hidden_dropout=0.0,
+                               attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    spec = get_gpt_layer_local_spec(num_experts=GPT["experts"], moe_grouped_gemm=False)
+    return GPTModel(config, spec, vocab_size=GPT["vocab"], max_sequence_length=GPT["seq"]).cuda()
+
+
+def _gpt_batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, GPT["vocab"], (GPT["batch"], GPT["seq"] + 1), generator=g).cuda()
+    position_ids = torch.arange(GPT["seq"], device="cuda").expand(GPT["batch"], -1)
+    return tokens[:, :-1], position_ids, tokens[:, 1:]
+
+
+def _gpt_loss(model, rank: int, step: int):
+    tokens, position_ids, labels = _gpt_batch(rank, step)
+    return model(tokens, position_ids, None, labels=labels).float().mean()  # causal mask: None
+
+
+def _round_experts_input(model, payload):
+    """Forward pre-hooks on every MoE layer's experts: they see the dispatched rows rounded as
+    ``payload`` rounds them (straight-through gradient), the reference for moe_fp4's dispatcher.
+    Row-wise payloads only (bf16, fp8, mxfp4): rounding after the exchange equals rounding before."""
+    codec = get_payload(payload)
+    assert codec.rowwise
+
+    def hook(module, args):
+        rows, *rest = args
+        rounded = codec.decode(codec.encode(rows.detach()), rows.shape[1]).to(rows.dtype) if rows.shape[0] else rows
+        return (rows + (rounded - rows).detach(), *rest)
+
+    return [layer.experts.register_forward_pre_hook(hook) for layer in mc.find_moe_layers(model)]
+
+
+def _record_routing(model, store: list):
+    def hook(module, args, output):
+        store.append(output[1].detach().clone())  # routing_map [T, E]
+
+    return [layer.router.register_forward_hook(hook) for layer in mc.find_moe_layers(model)]
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _group_errors(grads: dict, ref: dict) -> dict:
+    """Relative Frobenius error of the gradients of the experts, the routers and the rest."""
+    groups: dict[str, list] = {"experts": [], "router": [], "dense": []}
+    for n in ref:
+        key = "experts" if ".experts." in n else "router" if ".router." in n else "dense"
+        groups[key].append(n)
+    return {k: _rel(torch.cat([grads[n].flatten() for n in ns]), torch.cat([ref[n].flatten() for n in ns]))
+            for k, ns in groups.items() if ns}
+
+
+def _case_gpt_forward_backward(ctx, payload, backend, seed):
+    _init_parallel(ctx)
+    model = _gpt_model(seed)
+    hooks = _round_experts_input(model, payload)
+    ref_routing: list = []
+    hooks += _record_routing(model, ref_routing)
+    ref_loss = _gpt_loss(model, ctx.rank, 0)
+    ref_loss.backward()
+    ref_grads = _grads(model)
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+
+    mc.apply(model, payload=payload, backend=backend)
+    routing: list = []
+    hooks = _record_routing(model, routing)
+    loss = _gpt_loss(model, ctx.rank, 0)
+    loss.backward()
+    grads = _grads(model)
+    for h in hooks:
+        h.remove()
+    mc.revert(model)
+
+    flips = [int((a != b).any(dim=1).sum()) for a, b in zip(routing, ref_routing)]
+    assert not any(flips), (f"rank {ctx.rank}: tokens that took other experts per MoE layer {flips} (a near-tie "
+                            "that the combine's rounding flips; pick another seed)")
+    assert set(grads) == set(ref_grads)
+    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    errors = _group_errors(grads, ref_grads)
+    assert loss_err < 1e-3, f"rank {ctx.rank}: loss {loss.item()} vs {ref_loss.item()}"
+    bad = {k: e for k, e in errors.items() if e > 2e-2}
+    assert not bad, f"rank {ctx.rank}: gradient errors above 2e-2: {bad}"
+    return loss.item(), ref_loss.item(), errors
+
+
+def _case_gpt_moe_layer_output(ctx, payload, backend, seed):
+    """The first MoE layer alone, on the same input and routing: moe_fp4's dispatcher against
+    Megatron's alltoall dispatcher whose tokens are rounded as the payload rounds them (every payload:
+    the rounding is this rank's whole batch, as the dispatch encodes it). Bound: three BF16 roundings
+    (Megatron's BF16 sum of the expert outputs; moe_fp4's partial sums and result), 3 * 2^-8 of the
+    largest magnitude."""
+    _init_parallel(ctx)
+    model = _gpt_model(seed)
+    layer = mc.find_moe_layers(model)[0]
+    captured = []
+    h = layer.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach().clone()))
+    with torch.no_grad():
+        _gpt_loss(model, ctx.rank, 0)
+    h.remove()
+    x = captured[0]  # [S, B, H] bf16
+
+    def run(tokens):
+        probs, routing_map = layer.route(x)
+        hidden, p = layer.preprocess(tokens, probs, routing_map)
+        hidden, p = layer.dispatch(hidden, p)
+        out, _ = layer.routed_experts_compute(hidden, p)
+        return layer.postprocess(layer.combine(out), None)
+
+    with torch.no_grad():
+        ref = run(_payload_round(x, payload)).float()
+        mc.apply(layer, payload=payload, backend=backend)
+        out = run(x).float()
+        mc.revert(layer)
+    scale = ref.abs().max().item()
+    err = (out - ref).abs().max().item()
+    assert err <= 3 * 2.0 ** -8 * scale, f"rank {ctx.rank}: error {err:.3g}, largest |out| {scale:.3g}"
+    return err / scale
+
+
+def _train(model, ctx, steps: int) -> list[float]:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    dp = ps.get_data_parallel_group()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = _gpt_loss(model, ctx.rank, step)
+        loss.backward()
+        for n, p in model.named_parameters():  # dense weights are replicated: average over data parallel
+            if p.grad is not None and ".experts." not in n:
+                dist.all_reduce(p.grad, group=dp)
+                p.grad /= dist.get_world_size(dp)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _case_gpt_training(ctx, payload, backend, seed, steps):
+    _init_parallel(ctx)
+    model = _gpt_model(seed)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref = _train(model, ctx, steps)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(start[n])
+    mc.apply(model, payload=payload, backend=backend)
+    mine = _train(model, ctx, steps)
+    mc.revert(model)
+    return ref, mine
+
+
+@pytest.fixture(scope="module")
+def nccl_pool():
+    from moe_fp4.ep.testing import WorkerPool
+
+    p = WorkerPool(2, backend="nccl")
+    yield p
+    p.close()
+
+
+GPU_CASES = [("bf16", "nccl"), ("fp8", "nccl"), ("mxfp4", "nccl"), ("mxfp4", "symm")]
+
+
+@needs_megatron
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("payload,backend", GPU_CASES)
+def test_gpt_moe_forward_backward_vs_alltoall(nccl_pool, payload, backend):
+    """Loss within 1e-3 relative and gradients (experts, routers, the rest) within 2e-2 of Megatron's
+    alltoall dispatcher whose experts see the payload-rounded rows (no routing flip allowed)."""
+    results = nccl_pool.run(_case_gpt_forward_backward, payload, backend, 7)
+    print(payload, backend, "loss (moe_fp4, megatron), gradient errors, per rank:", results)
+
+
+@needs_megatron
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("payload", ["bf16", "fp8", "mxfp4", "nvfp4"])
+def test_gpt_moe_layer_output_vs_alltoall(nccl_pool, payload):
+    results = nccl_pool.run(_case_gpt_moe_layer_output, payload, "nccl", 7)
+    print(payload, "first MoE layer output error / largest |out|, per rank:", results)
+
+
+@needs_megatron
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("payload,bound", [("bf16", 1e-2), ("mxfp4", 5e-2)])
+def test_gpt_moe_training_losses_side_by_side(nccl_pool, payload, bound):
+    """Five AdamW steps from the same weights on the same batches: Megatron's alltoall dispatcher and
+    moe_fp4's; each step's loss within ``bound`` relative (bf16: summation order; mxfp4: MXFP4's error
+    on the experts' inputs, unrounded in the reference)."""
+    steps = 5
+    results = nccl_pool.run(_case_gpt_training, payload, "nccl", 7, steps)
+    for rank, (ref, mine) in enumerate(results):
+        print(f"{payload} rank {rank}: step, megatron alltoall loss, moe_fp4 loss")
+        for step, (a, b) in enumerate(zip(ref, mine)):
+            print(f"  {step} {a:.5f} {b:.5f}")
+        worst = max(abs(a - b) / abs(a) for a, b in zip(ref, mine))
+        assert worst < bound, f"rank {rank}: losses differ by {worst:.3g} relative (bound {bound})"
