@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The MoE layer side on the GPUs of one host: build the native ops, run the GPU tests of the grouped
+# GEMMs, the expert MLP, the MoE layer and (with megatron-core installed, 2 GPUs) the Megatron
+# dispatcher, then the GEMM benchmark, the MoE-stack benchmark with a memory cap and a short
+# convergence run. Logs go to $OUT (default /tmp/moe_fp4_moe); a summary is printed last.
+#   bash benchmarks/run_gpu_moe.sh
+# Environment: TOKENS (bench moe, tokens per rank), LAYERS, CAP_GB (memory cap; empty: none), STEPS
+# and SEEDS (convergence; STEPS=0 skips it), GEMM=0 / MOE=0 (skip those benchmarks), PROBE=1 (the
+# scaling-overlap probe of benchmarks/probe_gemm_overlap.py), and the *_S time limits of each step.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export MOE_FP4_BUILD_DIR="${MOE_FP4_BUILD_DIR:-$PWD/build/native}"
+OUT="${OUT:-/tmp/moe_fp4_moe}"
+mkdir -p "$OUT"
+t0=$SECONDS
+{ date -u; nvidia-smi -L; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
+  > "$OUT/device.txt" 2>&1
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+
+timeout "${BUILD_S:-150}" python -m moe_fp4 build > "$OUT/build.log" 2>&1
+echo "build: rc=$? ($((SECONDS - t0)) s)"
+
+timeout -s INT -k 10 "${TESTS_S:-200}" python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py \
+  tests/test_moe_layer_gpu.py tests/test_experts.py tests/test_moe_layer.py > "$OUT/tests.log" 2>&1
+echo "tests: rc=$? ($((SECONDS - t0)) s): $(tail -1 "$OUT/tests.log")"
+if [ "$gpus" -ge 2 ] && python -c "import megatron.core" 2>/dev/null; then
+  timeout -s INT -k 10 "${MEGATRON_S:-200}" python -m pytest -q -s -p no:cacheprovider tests/test_megatron_core.py \
+    > "$OUT/tests_megatron.log" 2>&1
+  echo "megatron tests: rc=$? ($((SECONDS - t0)) s): $(tail -1 "$OUT/tests_megatron.log")"
+fi
+if [ "${PROBE:-0}" = 1 ]; then
+  timeout "${PROBE_S:-120}" python benchmarks/probe_gemm_overlap.py > "$OUT/probe_overlap.txt" 2>&1
+  echo "overlap probe: rc=$? ($((SECONDS - t0)) s)"; cat "$OUT/probe_overlap.txt"
+fi
+if [ "${GEMM:-1}" = 1 ]; then
+  timeout "${GEMM_S:-300}" python -m moe_fp4 bench gemm > "$OUT/bench_gemm.md" 2>&1
+  echo "bench gemm: rc=$? ($((SECONDS - t0)) s)"
+fi
+if [ "${MOE:-1}" = 1 ]; then
+  timeout "${MOE_S:-400}" python -m moe_fp4 bench moe --tokens "${TOKENS:-4096,8192,16384}" --layers "${LAYERS:-2}" \
+    ${CAP_GB:+--memory-cap "$CAP_GB"} > "$OUT/bench_moe.md" 2>&1
+  echo "bench moe: rc=$? ($((SECONDS - t0)) s)"
+fi
+if [ "${STEPS:-300}" != 0 ]; then
+  timeout "${CONV_S:-500}" python benchmarks/moe_convergence.py --out "$OUT/convergence" --steps "${STEPS:-300}" \
+    --seeds "${SEEDS:-0}" > "$OUT/convergence.log" 2>&1
+  echo "convergence: rc=$? ($((SECONDS - t0)) s)"
+fi
+echo "== summary ($((SECONDS - t0)) s) =="
+for f in bench_gemm.md bench_moe.md convergence/convergence.md; do [ -f "$OUT/$f" ] && { echo "-- $f"; cat "$OUT/$f"; }; done
