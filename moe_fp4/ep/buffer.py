@@ -53,8 +53,7 @@ from moe_fp4.ep.payloads import (
     gather_rows,
     get_payload,
 )
-from moe_fp4.ops import MAX_ROW_DESTINATIONS, routing
-from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
+from moe_fp4.ops import MAX_ROW_DESTINATIONS, mxfp4_rows_to_fp8_cols_planned, routing
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
@@ -243,11 +242,6 @@ class DispatchOutput:
 
     @property
     def tokens_per_expert(self) -> list[int]:
-        return self.handle.tokens_per_expert
-
-    @property
-    def num_recv_tokens_per_expert_list(self) -> list[int]:
-        """DeepEP's name for ``tokens_per_expert``."""
         return self.handle.tokens_per_expert
 
     @property

@@ -21,6 +21,7 @@ FP8 rows).
   mxfp4_rows_expand_fp8_blockwise  the same from byte rows, each row written to several output rows (the
                                dispatch's expansion of received tokens to one FP8 row per local expert)
   mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
+  mxfp4_rows_to_fp8_cols_planned  the same for splits held on the host as ints, its plan kept by the caller
   quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
   quantize_fp8_rows_cols       float [M, K] -> FP8 1x128 of x and of x^T in one pass (the GEMM operands of
                                an activation or gradient: fprop/dgrad rows, wgrad columns)
@@ -61,6 +62,7 @@ from moe_fp4 import formats
 from moe_fp4.formats._checks import check_tensor
 from moe_fp4.ops import _native, _ops
 from moe_fp4.ops import build as _build_command  # noqa: F401  (loaded first: `build` below is the function)
+from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
 
 __all__ = [
     "build",
@@ -68,6 +70,7 @@ __all__ = [
     "mxfp4_rows_expand_fp8_blockwise",
     "mxfp4_rows_to_fp8_blockwise",
     "mxfp4_rows_to_fp8_cols",
+    "mxfp4_rows_to_fp8_cols_planned",
     "mxfp4_to_fp8_blockwise",
     "native_available",
     "nvfp4_rows_to_fp8_blockwise",
