@@ -238,3 +238,26 @@ def pool():
 def test_layer_expert_parallel_matches_float64_moe(pool, world, policy):
     errors = pool.run(case_layer_expert_parallel, SEED + world, policy, ranks=world)
     assert len(errors) == world
+
+
+def test_dispatch_without_decoded_values_carries_the_same_gradient():
+    """dispatch_with_grad(decode=False): a zero-stride stand-in of the rows (no memory) whose gradient
+    reaches x exactly as the decoded values' does."""
+    from moe_fp4.ep import Buffer
+    from moe_fp4.ep.autograd import dispatch_with_grad
+
+    gen = torch.Generator().manual_seed(SEED + 4)
+    x = torch.randn(20, H, generator=gen)
+    idx = torch.randn(20, E, generator=gen).topk(K, dim=1).indices
+    buf = Buffer(E, payload="mxfp4")
+    grads = []
+    for decode in (True, False):
+        xx = x.clone().requires_grad_()
+        values, out = dispatch_with_grad(buf, xx, idx, torch.rand(20, K, generator=gen), expert_alignment=128,
+                                         decode=decode)
+        assert values.shape == (out.handle.num_rows, H) and values.dtype == torch.bfloat16
+        if not decode:
+            assert values.stride() == (0, 0)
+        values.backward(torch.randn(values.shape, generator=torch.Generator().manual_seed(SEED + 5)))
+        grads.append(xx.grad)
+    assert torch.equal(grads[0], grads[1])

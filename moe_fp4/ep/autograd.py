@@ -19,25 +19,28 @@ from moe_fp4.ep.payloads import get_payload
 class _Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink, alignment,
-                bounds, error):
+                bounds, error, decode):
         out = buffer._dispatch(x.detach() if isinstance(x, torch.Tensor) else x, topk_idx, topk_weights, handle,
                                payload, False, alignment, bounds.get("max_recv_tokens"), bounds.get("max_recv_rows"),
                                error)
         sink.append(out)
         ctx.buffer, ctx.handle, ctx.backward_payload, ctx.x_dtype = buffer, out.handle, backward_payload, x.dtype
-        return out.values(dtype)
+        if decode:
+            return out.values(dtype)
+        # a stand-in of the rows' shape and dtype that holds no memory (one zero, expanded)
+        return torch.zeros((), dtype=dtype, device=out.recv_rows.device).expand(out.handle.num_rows, out.hidden)
 
     @staticmethod
     def backward(ctx, grad):
         gx = ctx.buffer.combine(grad.contiguous(), ctx.handle, weighted=False, payload=ctx.backward_payload)
-        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None, None, None
+        return gx.to(ctx.x_dtype), None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor | None = None,
                        topk_weights: torch.Tensor | None = None, *, handle: DispatchHandle | None = None,
                        payload=None, backward_payload="bf16", dtype: torch.dtype = torch.bfloat16,
                        expert_alignment: int | None = None, max_recv_tokens: int | None = None,
-                       max_recv_rows: int | None = None) -> tuple[torch.Tensor, DispatchOutput]:
+                       max_recv_rows: int | None = None, decode: bool = True) -> tuple[torch.Tensor, DispatchOutput]:
     """Differentiable dispatch.
 
     x: float [T, H] (requires grad); topk_idx int64 [T, k]; topk_weights float [T, k] or None (carried
@@ -48,13 +51,16 @@ def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor |
     through a combine with ``backward_payload`` (gap rows' gradients are ignored). max_recv_tokens /
     max_recv_rows: a sync-free dispatch (see ``Buffer.dispatch``; values then has the capacity's
     rows, those past the experts' rows unspecified, and their gradients are ignored). A failed check
-    here raises on every rank of a gloo group, as the dispatch's own checks do."""
+    here raises on every rank of a gloo group, as the dispatch's own checks do.
+    decode: False returns, instead of the decoded values, a zero-stride stand-in of their shape and
+      dtype that holds no memory: the carrier of the rows' gradient for expert layers that read the
+      DispatchOutput's rows or FP8 rows themselves (``moe_fp4.moe.Experts`` given ``x_fp8``)."""
     error = _check_payload(backward_payload, "backward_payload")
     sink: list[DispatchOutput] = []
     bounds = {} if max_recv_tokens is None and max_recv_rows is None else dict(
         max_recv_tokens=max_recv_tokens, max_recv_rows=max_recv_rows)
     values = _Dispatch.apply(x, buffer, topk_idx, topk_weights, handle, payload, backward_payload, dtype, sink,
-                             expert_alignment, bounds, error)
+                             expert_alignment, bounds, error, decode)
     return values, sink[0]
 
 

@@ -164,9 +164,13 @@ class MoELayer(torch.nn.Module):
         shape = x.shape
         flat = x.reshape(-1, self.hidden)
         idx, weights = self.router(flat)
-        values, out = dispatch_with_grad(self.buffer, flat, idx, weights, expert_alignment=ALIGN)
+        fp8_experts = isinstance(self.experts, Experts)
+        # the FP8 experts read the dispatch's FP8 (and MXFP4) rows: the decoded values are only the
+        # carrier of their gradient, so they are not made
+        values, out = dispatch_with_grad(self.buffer, flat, idx, weights, expert_alignment=ALIGN,
+                                         decode=not fp8_experts)
         extra = {}
-        if isinstance(self.experts, Experts):
+        if fp8_experts:
             extra["x_fp8"] = out.to_fp8_blockwise()
             if self.policy == "mxfp4":
                 extra["x_mxfp4"] = formats.unpack_mxfp4_rows(out.rows, self.hidden)
