@@ -9,7 +9,8 @@ per optimizer step) by ``ops.quantize_fp8_tiles``.
 What the backward needs is saved according to ``save``:
   "mxfp4"     the expert input as MXFP4 rows (the dispatch's own rows when given: nothing quantized
               again) and the SwiGLU input as MXFP4; the wgrad operand of the input comes from
-              ``ops.mxfp4_rows_to_fp8_cols`` (FP4RowToFP8Col);
+              ``ops.mxfp4_rows_to_fp8_cols`` (FP4RowToFP8Col), which reads the split lengths on the
+              host in backward (its output shape depends on them: one synchronisation);
   "fp8"       the input as FP8 (its columns, or the FP8 rows it came as) and the SwiGLU input as FP8 1x128;
   "bf16"      both in BF16;
   "recompute" the input as FP8 rows only; the gate/up GEMM runs again in backward.
