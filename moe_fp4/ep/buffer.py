@@ -358,6 +358,38 @@ def _describe(t) -> str:
     return type(t).__name__
 
 
+def agree_on_checks(backend: AllToAllBackend, what: str, error: ValueError | None,
+                    signature: dict[str, int]) -> None:
+    """Ranks agree on their local checks before a collective that follows them, so that a check
+    failing on one rank raises ValueError on every rank instead of leaving the others blocked in
+    the transfer. On a group whose tensors live in host memory (gloo) every rank sends every rank
+    [failed, *signature] (one small all-to-all; no device to wait for) and raises if any rank
+    failed (that rank its own error) or the signatures differ (name -> int: what every rank must
+    share, as the transfers' sizes follow from it). On CUDA this would be a host sync per call
+    (and no CUDA graph), so there a failed check raises on its rank only, and the peers wait in
+    the transfer until the group's timeout."""
+    if backend.world_size == 1 or backend.device.type != "cpu":
+        if error is not None:
+            raise error
+        return
+    row = [0 if error is None else 1] + [int(v) for v in signature.values()]
+    row += [0] * (_AGREE_WIDTH - len(row))
+    sent = torch.tensor([row] * backend.world_size, dtype=torch.int64)
+    got = torch.empty_like(sent)
+    backend.all_to_all(got, sent, None, None)
+    peers = got.tolist()
+    if error is not None:
+        raise error
+    bad = [s for s, p in enumerate(peers) if p[0]]
+    if bad:
+        raise ValueError(f"{what}: rank(s) {bad} rejected their inputs (see the error raised there); the {what} "
+                         "was abandoned on every rank")
+    diff = [f"{key} {a} here vs {b} on rank {s}" for s, p in enumerate(peers)
+            for key, a, b in zip(signature, row[1:], p[1:]) if a != b]
+    if diff:
+        raise ValueError(f"{what}: ranks disagree: " + ", ".join(diff))
+
+
 class Buffer:
     """Expert-parallel dispatch/combine for one process group.
 
@@ -531,34 +563,7 @@ class Buffer:
         return self._send_payload(x, codec, handle, return_fp8)
 
     def _agree(self, what: str, error: ValueError | None, signature: dict[str, int]) -> None:
-        """Ranks agree on their local checks before a collective that follows them, so that a check
-        failing on one rank raises ValueError on every rank instead of leaving the others blocked in
-        the transfer. On a group whose tensors live in host memory (gloo) every rank sends every rank
-        [failed, *signature] (one small all-to-all; no device to wait for) and raises if any rank
-        failed (that rank its own error) or the signatures differ (name -> int: what every rank must
-        share, as the transfers' sizes follow from it). On CUDA this would be a host sync per call
-        (and no CUDA graph), so there a failed check raises on its rank only, and the peers wait in
-        the transfer until the group's timeout."""
-        if self.world_size == 1 or self.device.type != "cpu":
-            if error is not None:
-                raise error
-            return
-        row = [0 if error is None else 1] + [int(v) for v in signature.values()]
-        row += [0] * (_AGREE_WIDTH - len(row))
-        sent = torch.tensor([row] * self.world_size, dtype=torch.int64)
-        got = torch.empty_like(sent)
-        self.backend.all_to_all(got, sent, None, None)
-        peers = got.tolist()
-        if error is not None:
-            raise error
-        bad = [s for s, p in enumerate(peers) if p[0]]
-        if bad:
-            raise ValueError(f"{what}: rank(s) {bad} rejected their inputs (see the error raised there); the {what} "
-                             "was abandoned on every rank")
-        diff = [f"{key} {a} here vs {b} on rank {s}" for s, p in enumerate(peers)
-                for key, a, b in zip(signature, row[1:], p[1:]) if a != b]
-        if diff:
-            raise ValueError(f"{what}: ranks disagree: " + ", ".join(diff))
+        agree_on_checks(self.backend, what, error, signature)
 
     def _check_sync_free(self, handle, max_recv_tokens, max_recv_rows) -> None:
         if handle is not None:

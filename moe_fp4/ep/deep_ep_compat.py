@@ -85,6 +85,7 @@ from moe_fp4 import formats, ops
 from moe_fp4.ep.backends import make_backend
 from moe_fp4.ep.buffer import Buffer as _MoEBuffer
 from moe_fp4.ep.buffer import DispatchHandle as _MoEHandle
+from moe_fp4.ep.buffer import agree_on_checks
 from moe_fp4.ep.layout import check_experts, check_topk_idx, dispatch_layout
 from moe_fp4.ep.payloads import PAYLOAD_IDS, get_payload
 
@@ -92,7 +93,6 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PAYLOADS = ("bf16", "fp8", "mxfp4", "nvfp4")
 _RECV_FORMATS = (None, "bf16", "fp8")
 _WIRE_ALIGN = 64  # bytes: the bf16 payload's rows are a multiple of 32 bf16 values
-_AGREE_WIDTH = 6  # int64 per rank in combine's check agreement
 
 
 @dataclass
@@ -502,30 +502,9 @@ class Buffer:
 
     def _agree(self, what: str, error: ValueError | None, signature: list[int]) -> None:
         """Every rank of a gloo group learns whether any rank's checks failed and whether the ranks'
-        shapes agree before the transfer, so that all raise instead of some waiting in it (one small
-        all-to-all of host memory). On CUDA groups a failed check raises on its rank only (an
-        exchange would be a host sync per call), as in moe_fp4's Buffer."""
-        if self.group_size == 1 or self.device.type != "cpu":
-            if error is not None:
-                raise error
-            return
-        row = [0 if error is None else 1] + list(signature)
-        row += [0] * (_AGREE_WIDTH - len(row))
-        sent = torch.tensor([row] * self.group_size, dtype=torch.int64)
-        got = torch.empty_like(sent)
-        self.backend.all_to_all(got, sent, None, None)
-        peers = got.tolist()
-        if error is not None:
-            raise error
-        bad = [s for s, p in enumerate(peers) if p[0]]
-        if bad:
-            raise ValueError(f"{what}: rank(s) {bad} rejected their inputs (see the error raised there); the "
-                             f"{what} was abandoned on every rank")
+        shapes agree before the transfer (``moe_fp4.ep.buffer.agree_on_checks``)."""
         names = ("hidden", "payload", "topk_weights columns", "x element size")
-        diff = [f"{name} {a} here vs {b} on rank {s}" for s, p in enumerate(peers)
-                for name, a, b in zip(names, row[1:], p[1:]) if a != b]
-        if diff:
-            raise ValueError(f"{what}: ranks disagree: " + ", ".join(diff))
+        agree_on_checks(self.backend, what, error, dict(zip(names, signature)))
 
 
 # ------------------------------------------------------------------------------------------------
