@@ -38,10 +38,11 @@ import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
+
+from moe_fp4.ep.launch import run_distributed
 
 FORMATS = ("bf16", "fp8", "mxfp4", "nvfp4")
 
@@ -505,46 +506,13 @@ def goals(rows: list[dict], device_type: str = "cuda") -> list[str]:
     return out
 
 
-def _worker(rank, world, init_file, args, result_file):
-    import torch.distributed as dist
-
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        rows = _run(args)
-        if rank == 0:
-            torch.save(rows, result_file)
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        import torch.distributed as dist
-
-        if args.backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(args.backend)
-        rows = _run(args)
-        world = dist.get_world_size()
-        is_root = dist.get_rank() == 0
-        dist.destroy_process_group()
-    else:
-        import torch.multiprocessing as mp
-
-        world = args.world or (torch.cuda.device_count() if args.backend == "nccl" else 2)
-        if world < 1:
-            print("bench dispatch: no process to run", file=sys.stderr)
-            return 2
-        with tempfile.TemporaryDirectory() as d:
-            result = os.path.join(d, "rows.pt")
-            mp.spawn(_worker, args=(world, os.path.join(d, "init"), args, result), nprocs=world, join=True)
-            rows = torch.load(result)
-        is_root = True
+    try:
+        rows, world, is_root = run_distributed(_run, args, args.backend, args.world)
+    except ValueError as e:
+        print(f"bench dispatch: {e}", file=sys.stderr)
+        return 2
     if not is_root:
         return 0
     if args.backend == "nccl":

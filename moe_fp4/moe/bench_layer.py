@@ -25,11 +25,11 @@ import datetime
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 
+from moe_fp4.ep.launch import run_distributed
 from moe_fp4.moe.layer import POLICIES, MoELayer
 
 
@@ -163,22 +163,6 @@ def _run(args) -> dict:
     return {"rows": rows, "capped": capped}
 
 
-def _worker(rank, world, init_file, args, result_file):
-    import torch.distributed as dist
-
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group(args.backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        res = _run(args)
-        if rank == 0:
-            torch.save(res, result_file)
-    finally:
-        dist.destroy_process_group()
-
-
 def _print(res, args, world):
     if args.backend == "nccl":
         device = f"{world} x {torch.cuda.get_device_name(0)}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
@@ -212,24 +196,7 @@ def _print(res, args, world):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        import torch.distributed as dist
-
-        if args.backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(args.backend)
-        res = _run(args)
-        world, is_root = dist.get_world_size(), dist.get_rank() == 0
-        dist.destroy_process_group()
-    else:
-        import torch.multiprocessing as mp
-
-        world = args.world or (torch.cuda.device_count() if args.backend == "nccl" else 2)
-        with tempfile.TemporaryDirectory() as d:
-            result = os.path.join(d, "res.pt")
-            mp.spawn(_worker, args=(world, os.path.join(d, "init"), args, result), nprocs=world, join=True)
-            res = torch.load(result)
-        is_root = True
+    res, world, is_root = run_distributed(_run, args, args.backend, args.world)
     if is_root:
         _print(res, args, world)
     return 0
