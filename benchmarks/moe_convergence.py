@@ -24,11 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +37,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moe_fp4.ep.launch import run_distributed  # noqa: E402
 from moe_fp4.moe import POLICIES, MoELayer  # noqa: E402
 
 VOCAB = 256
@@ -219,7 +218,10 @@ def parse(argv):
     return args
 
 
-def run(args, device) -> list[dict]:
+def run(args) -> list[dict]:
+    """Every seed and policy on this process group (rank 0 also writes the report)."""
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     data = stdlib_bytes()
     cut = int(data.numel() * 0.95)
     train_data, eval_data = data[:cut], data[cut:]
@@ -232,49 +234,17 @@ def run(args, device) -> list[dict]:
                 print(f"{pol} seed {seed}: eval {r['eval_loss']:.4f}, last train {r['curve'][-1]:.4f}, "
                       f"{r['seconds']:.0f} s", flush=True)
             runs.append(r)
+    if dist.get_rank() == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        name = torch.cuda.get_device_name(0) if gpu else "CPU"
+        report(runs, args, out, f"{dist.get_world_size()} x {name}, torch {torch.__version__}")
     return runs
-
-
-def _worker(rank, world, init_file, args, gpu):
-    if gpu:
-        torch.cuda.set_device(rank)
-    else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("nccl" if gpu else "gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
-    try:
-        runs = run(args, torch.device("cuda", rank) if gpu else torch.device("cpu"))
-        if rank == 0:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            name = torch.cuda.get_device_name(0) if gpu else "CPU"
-            report(runs, args, out, f"{world} x {name}, torch {torch.__version__}")
-    finally:
-        dist.destroy_process_group()
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    gpu = torch.cuda.is_available()
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        rank = int(os.environ["RANK"])
-        if gpu:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if gpu else "gloo")
-        try:
-            runs = run(args, torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu"))
-            if rank == 0:
-                out = Path(args.out)
-                out.mkdir(parents=True, exist_ok=True)
-                report(runs, args, out, f"{dist.get_world_size()} processes, torch {torch.__version__}")
-        finally:
-            dist.destroy_process_group()
-        return 0
-    import torch.multiprocessing as mp
-
-    world = args.world or (torch.cuda.device_count() if gpu else 2)
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, os.path.join(d, "init"), args, gpu), nprocs=world, join=True)
+    run_distributed(run, args, "nccl" if torch.cuda.is_available() else "gloo", args.world)
     return 0
 
 
