@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moe_fp4 import formats  # noqa: E402
 from moe_fp4.moe import _triton_grouped_gemm as tg  # noqa: E402
+from moe_fp4.moe.bench import _median_us  # noqa: E402
 
 
 @triton.jit
@@ -141,20 +141,6 @@ def rows_overlap(a, a_scales, b, b_scales, offs, lens):
     return out
 
 
-def _time(fn, iters=10):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--groups", type=int, default=32)
@@ -177,8 +163,8 @@ def main(argv=None) -> int:
         if not interp:
             flop = 2 * m * n * k / 1e6
             operands = (a, a_s, w, w_s, offs, lens)
-            t0 = _time(lambda ops=operands: tg.grouped_rows(*ops))
-            t1 = _time(lambda ops=operands: rows_overlap(*ops))
+            t0 = _median_us(lambda ops=operands: tg.grouped_rows(*ops), 10)
+            t1 = _median_us(lambda ops=operands: rows_overlap(*ops), 10)
             line += f"; package {t0:.0f} us ({flop / t0:.0f} TFLOP/s), overlap {t1:.0f} us ({flop / t1:.0f} TFLOP/s)"
         print(line, flush=True)
         if not same:
@@ -193,8 +179,8 @@ def main(argv=None) -> int:
         line = f"wgrad N {n} K {k}: overlap variant equal to the package kernel: {torch.equal(got, ref)}"
         if not interp:
             operands = (dt, dts, xt, xts, offs, lens, base, base, ref, False)
-            t0 = _time(lambda ops=operands: tg.grouped_wgrad(*ops))
-            t1 = _time(lambda ops=operands[:6]: wgrad_overlap(*ops))
+            t0 = _median_us(lambda ops=operands: tg.grouped_wgrad(*ops), 10)
+            t1 = _median_us(lambda ops=operands[:6]: wgrad_overlap(*ops), 10)
             line += f"; package {t0:.0f} us ({flop / t0:.0f} TFLOP/s), overlap {t1:.0f} us ({flop / t1:.0f} TFLOP/s)"
         print(line, flush=True)
     return 0

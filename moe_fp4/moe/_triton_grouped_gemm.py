@@ -158,16 +158,6 @@ if triton is not None:
                      mask=free[:, None] & (cols[None, :] < n))
 
 
-def uncovered_rows(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
-    """bool [rows]: the rows of no group (a reference for tests)."""
-    starts = split_offsets.to(torch.int64).clamp(0, rows)
-    ends = (split_offsets.to(torch.int64) + split_lens.to(torch.int64).clamp(min=0)).clamp(0, rows)
-    edges = torch.zeros(rows + 1, dtype=torch.int32, device=split_lens.device)
-    edges.index_add_(0, starts, torch.ones_like(starts, dtype=torch.int32))
-    edges.index_add_(0, ends, torch.full_like(ends, -1, dtype=torch.int32))
-    return torch.cumsum(edges[:rows], 0) <= 0
-
-
 def _pow2(g: int) -> int:
     return max(16, triton.next_power_of_2(g))
 
