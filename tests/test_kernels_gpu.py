@@ -472,7 +472,7 @@ def test_mxfp4_rows_to_fp8_cols_both_paths(aligned, gaps):
     native = ops.build()
     for two_pass in (False, True):
         _dirty_cache(4 * t * h)
-        got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
+        got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
         _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
         assert got[1].stride() == (1, h)  # outer-dim-major, as the spec
         assert got[0].stride() == want[0].stride() == ((t + 31) // 32 * 32, 1)  # rows on 32-byte sectors
@@ -488,7 +488,7 @@ def test_mxfp4_rows_to_fp8_cols_two_pass_rows_past_the_segments():
     for lens in (torch.tensor([t], device="cuda"), torch.tensor([31 * 128 + 1], device="cuda")):
         want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens)
         assert want[1].shape[1] == 32
-        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, 32, True)
+        got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, 32, True)
         _equal(got, want, ("data", "scales", "group_offsets"))
         del got
 
@@ -503,11 +503,11 @@ def test_mxfp4_rows_to_fp8_cols_two_pass_in_a_cuda_graph():
     groups, two_pass, _ = _ops.column_plan(lens, offs, t)
     assert two_pass
     native = ops.build()
-    native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, True)  # warm-up outside the capture
+    native.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs, groups, True)  # warm-up outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, True)
+        got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs, groups, True)
     for _ in range(2):
         fresh_p, fresh_s = _mxfp4_input(t, h)
         packed.copy_(fresh_p)
@@ -533,7 +533,7 @@ def test_mxfp4_rows_to_fp8_cols_top_scale_bytes(t, h, low):
         groups, _, _ = _ops.column_plan(lens, offs, t)
         want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs)
         for two_pass in (False, True):
-            got = native.mxfp4_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
+            got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, offs, groups, two_pass)
             _equal(got, want, (f"data two_pass={two_pass}", "scales", "group_offsets"))
 
 
@@ -555,7 +555,7 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     native = ops.build()
     for flag in (True, False):
         _dirty_cache(4 * t * h)
-        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, flag)
+        got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, flag)
         _equal(got, want, (f"data full_groups={flag}", "scales", "group_offsets"))
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
     # more than 32 experts (the kernel's check of the flag sums their groups 32 at a time), half empty
@@ -566,7 +566,7 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     assert full and not two_pass and groups == 20
     want_many = formats.mxfp4_rows_to_fp8_cols(packed, scales, many, None)
     _dirty_cache(4 * t * h)
-    got = native.mxfp4_to_fp8_cols(packed, scales, many, None, groups, False, True)
+    got = native.mxfp4_rows_to_fp8_cols(packed, scales, many, None, groups, False, True)
     _equal(got, want_many, ("data, 40 experts", "scales", "group_offsets"))
     # a first segment of 32 rows moves every later group off 128 g: the flag is wrong, the output is not
     lens[0] = 32
@@ -574,7 +574,7 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     assert not full and not two_pass
     want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, None)
     _dirty_cache(4 * t * h)
-    got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, True)
+    got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, True)
     _equal(got, want, ("data, flag set wrongly", "scales", "group_offsets"))
     # 40 one-row segments through the one-pass kernel (the plan would take two passes): 40 groups,
     # whose rows 128 g would lie past the input from g = 24 on, where no early load may be issued
@@ -583,7 +583,7 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
     assert groups * 128 > t and two_pass and not full
     want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, None)
     _dirty_cache(4 * t * h)
-    got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, True)
+    got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, True)
     _equal(got, want, ("data, one-row segments, flag set wrongly", "scales", "group_offsets"))
 
 
@@ -612,7 +612,7 @@ def test_mxfp4_rows_to_fp8_cols_box_and_thread_stores(t, h, monkeypatch):
             else:
                 monkeypatch.setenv("MOE_FP4_COLUMN_BOX_STORE", env)
             _dirty_cache(4 * t * h)
-            got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, full_groups)
+            got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, full_groups)
             _equal(got, want, (f"data box_store={env}", "scales", "group_offsets"))
 
 
@@ -637,7 +637,7 @@ def test_mxfp4_rows_to_fp8_cols_group_table():
     for name, splits in (("right", host), ("shifted", shifted), ("rounded up", rounded),
                          ("half", host[:, : host.shape[1] // 2]), ("none", None)):
         _dirty_cache(4 * t * h)
-        got = native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, splits)
+        got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, False, splits)
         _equal(got, want, (f"data, splits {name}", f"scales, splits {name}", f"group_offsets, splits {name}"))
     _dirty_cache(4 * t * h)
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens), want, ("op data", "op scales", "op group_offsets"))
@@ -647,9 +647,9 @@ def test_mxfp4_rows_to_fp8_cols_group_table():
     _equal(ops.mxfp4_rows_to_fp8_cols(packed, scales, lens32), formats.mxfp4_rows_to_fp8_cols(packed, scales, lens32),
            ("op data, 32-row starts", "op scales, 32-row starts", "op group_offsets, 32-row starts"))
     with pytest.raises(RuntimeError, match="host_splits"):
-        native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.cuda())
+        native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.cuda())
     with pytest.raises(RuntimeError, match="host_splits"):
-        native.mxfp4_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.to(torch.int32))
+        native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, False, host.to(torch.int32))
 
 
 @pytest.mark.parametrize("t,to_end,h", [(2080, True, 1024), (3001, False, 128), (12001, True, 7168)])
@@ -684,7 +684,7 @@ def test_mxfp4_rows_to_fp8_cols_offsets_on_32_rows(t, to_end, h):
         got = ops.mxfp4_rows_to_fp8_cols(packed, scales, lt.to(dtype), ot.to(dtype))
         _equal(got, want, (f"data {dtype}", f"scales {dtype}", f"group_offsets {dtype}"))
     _dirty_cache(4 * t * h)  # without the host splits: the kernel's own look-up
-    got = ops.build().mxfp4_to_fp8_cols(packed, scales, lt, ot, groups, False, False)
+    got = ops.build().mxfp4_rows_to_fp8_cols(packed, scales, lt, ot, groups, False, False)
     _equal(got, want, ("data, no host splits", "scales, no host splits", "group_offsets, no host splits"))
 
 

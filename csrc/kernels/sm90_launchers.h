@@ -96,9 +96,9 @@ struct Mxfp4ToFp8RowsParams {
 };
 cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream);
 
-// FP4RowToFP8Col: MXFP4 rows grouped by expert -> E4M3 columns [H, N] + FP32 scales [H, G], the scales
-// stored outer-dim-major (a [G, H] buffer).
-struct Mxfp4ToFp8ColsParams {
+// mxfp4_rows_to_fp8_cols: MXFP4 rows grouped by expert -> E4M3 columns [H, N] + FP32 scales [H, G],
+// the scales stored outer-dim-major (a [G, H] buffer).
+struct Mxfp4RowsToFp8ColsParams {
   const uint8_t* packed;       // uint8 [N, H/2] (row stride packed_stride bytes, 16-byte aligned rows)
   long long packed_stride;
   const uint8_t* scales;       // uint8 [N, H/32] (row stride scales_stride bytes)
@@ -142,7 +142,7 @@ long long column_groups_of(const long long* lens, const long long* starts, int n
   }
   return groups;
 }
-cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream);
+cudaError_t launch_mxfp4_rows_to_fp8_cols(const Mxfp4RowsToFp8ColsParams& p, cudaStream_t stream);
 
 // BF16 -> FP8 1x128: x [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128].
 struct QuantizeFp8Params {

@@ -416,7 +416,7 @@ Tensor column_group_table(const Tensor& host_splits) {
 // host_splits (CPU int64 [2, E], optional): the segments' lengths and first rows as the caller read
 // them; the launcher derives each scale group's rows from them, so that the one-pass kernel loads a
 // group's rows before its own look-up (checked against it: wrong splits cost time, not bytes).
-std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const Tensor& scales,
+std::tuple<Tensor, Tensor, Tensor> mxfp4_rows_to_fp8_cols(const Tensor& packed, const Tensor& scales,
                                                      const Tensor& split_lens,
                                                      const std::optional<Tensor>& split_offsets,
                                                      int64_t num_groups, bool two_pass, bool full_groups,
@@ -428,7 +428,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
   check_word_rows(packed.data_ptr(), packed.stride(0), packed.size(0), "packed");
   check_word_rows(scales.data_ptr(), scales.stride(0), scales.size(0), "scales");
   const c10::cuda::CUDAGuard guard(packed.device());
-  moe_fp4::Mxfp4ToFp8ColsParams p{};
+  moe_fp4::Mxfp4RowsToFp8ColsParams p{};
   p.segments = segments_of(split_lens, split_offsets, packed);
   // [H, N] at a row stride of N rounded up to 32 bytes (whole-sector stores; FP8 GEMMs take it as it is),
   // as formats.mxfp4_rows_to_fp8_cols returns it
@@ -465,7 +465,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_cols(const Tensor& packed, const
     p.host_splits = reinterpret_cast<const long long*>(splits_host.data_ptr<int64_t>());
     p.num_host_splits = static_cast<int>(splits_host.size(1));
   }
-  check_launch(moe_fp4::launch_mxfp4_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
+  check_launch(moe_fp4::launch_mxfp4_rows_to_fp8_cols(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_to_fp8_cols");
   return {out, out_scales, group_offsets};
 }
 
@@ -813,7 +813,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_byte_rows_to_fp8_rows", &mxfp4_byte_rows_to_fp8_rows, "MXFP4 byte rows -> FP8 1x128 rows",
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
-  m.def("mxfp4_to_fp8_cols", &mxfp4_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
+  m.def("mxfp4_rows_to_fp8_cols", &mxfp4_rows_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
         py::arg("two_pass"), py::arg("full_groups") = false, py::arg("host_splits") = py::none());
   m.def("column_group_table", &column_group_table,

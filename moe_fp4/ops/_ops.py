@@ -373,7 +373,7 @@ def mxfp4_rows_to_fp8_cols_planned(
     if plan is None:
         split_starts(lens, starts, packed.shape[0])  # raises for splits outside the rows or overlapping
         plan = cache[key] = _host_plan(lens, starts, packed.device)
-    return _native.module().mxfp4_to_fp8_cols(packed, scales, *plan)
+    return _native.module().mxfp4_rows_to_fp8_cols(packed, scales, *plan)
 
 
 def _host_plan(lens: list[int], starts: list[int], device: torch.device) -> tuple:
@@ -398,7 +398,7 @@ def mxfp4_rows_to_fp8_cols_op(
             split_lens, split_offsets = lens_dev, (starts_dev if split_offsets is not None else None)
         else:
             plan = _launch(lens, starts)
-        return _native.module().mxfp4_to_fp8_cols(packed, scales, split_lens, split_offsets, *plan)
+        return _native.module().mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets, *plan)
     data, out_scales, goffs = formats.mxfp4_rows_to_fp8_cols(packed, scales, split_lens, split_offsets)
     return data, out_scales, goffs.to(packed.device)
 

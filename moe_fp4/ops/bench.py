@@ -143,7 +143,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         experts = 32
         lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
         plan = _ops.column_plan(lens, None, t)  # (groups, two_pass, full_groups) as the public op chooses them
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
+        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
 
         # The unfused sequence at its fastest: one compiled (fused) dequantize to BF16, a transpose
         # copy (padded with zero tokens to a multiple of 128, as the spec quantizes a short group),
@@ -163,13 +163,13 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,))).values
         rlens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])])).cuda()
         rplan = _ops.column_plan(rlens, None, t)
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
+        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
         add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
         # the same cuts rounded down to 32 rows (segments padded as grouped FP8 GEMMs want them): one
         # pass with the host's group table, as the op runs it
         plens = torch.diff(torch.cat([torch.tensor([0]), cuts // 32 * 32, torch.tensor([t])])).cuda()
         launch = _ops.column_launch(plens, None, t)
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
+        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
         add(f"FP4RowToFP8Col {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
         # segments at offsets on 32-row boundaries with gaps between them, as a receive buffer whose
         # experts start 32-row aligned: the ragged lengths less 31 rows, each placed at the next
@@ -178,7 +178,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         goffs = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"), (glens + 31) // 32 * 32]),
                              0)[:-1]
         launch = _ops.column_launch(glens, goffs, t)
-        us = _median_us(lambda i: native.mxfp4_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
+        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
         add(f"FP4RowToFP8Col {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
         # the rows of a real dispatch (a world of one: top-8 of 32 experts over t / 8 tokens), as a
         # wgrad operand: back to back (ragged, two passes) against expert_alignment=32 (every expert
@@ -196,7 +196,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                 views = [formats.unpack_mxfp4_rows(o.rows, h) for o in outs]
                 dl, do, n_out = first.split_lens, first.split_offsets, first.handle.num_rows
                 launch = _ops.column_launch(dl, do, n_out)
-                us = _median_us(lambda i, v=views, dl=dl, do=do, launch=launch: native.mxfp4_to_fp8_cols(
+                us = _median_us(lambda i, v=views, dl=dl, do=do, launch=launch: native.mxfp4_rows_to_fp8_cols(
                     v[i][0], v[i][1], dl, do, *launch), ns, reps)
                 name = "back to back" if align == 1 else f"expert_alignment={align}"
                 nbytes = fp4_bytes + n_out * h + n_out * h // 128 * 4
@@ -213,7 +213,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                 add(f"FP4RowToFP8Col op per call, {name}, {where} splits", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record
         for name, ls, (g, two, full) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
-            us = _median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_to_fp8_cols(
+            us = _median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_rows_to_fp8_cols(
                 q[i][0], q[i][1], ls, None, g, not two, full), ns, reps)
             add(f"FP4RowToFP8Col {name}, {'one' if two else 'two'}-pass", shape, us, fp4_bytes + fp8_bytes)
 

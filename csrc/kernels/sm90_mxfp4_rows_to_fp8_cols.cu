@@ -1,18 +1,15 @@
-// Direct MXFP4 -> FP8 conversions (formats.convert):
-//   FP4RowToFP8Row: one warp per row, half an MX block (8 packed bytes in, one 16-byte store out) per
-//     lane and item; the E4M3 byte of each E2M1 code comes from a byte permute over a small remap
-//     table indexed by the block's shift below the group's largest scale (no float arithmetic).
-//   FP4RowToFP8Col, one pass (every segment starting on a 16-row boundary): one CTA per scale group
-//     (<= 128 rows of one expert, found on the device from the split lengths) and 256 hidden columns
-//     reads the group's rows as coalesced 128-byte pieces, takes the columns' maxima, converts, and
-//     writes the group's part of the column-major output through a transposed tile in shared memory
-//     (one tensor copy per tile of 128 rows starting on a 16-row boundary).
-//   FP4RowToFP8Col, two passes (any segments): first one CTA per scale group and 256 hidden columns
-//     reads the group's rows as coalesced 128-byte pieces and writes the FP32 scales, small records of
-//     the scale bytes and each row's group; then one CTA per aligned window of 128 tokens and 256
-//     hidden columns converts each row with its group's record and writes whole aligned 16-byte
-//     pieces of the output that no other CTA touches, whatever the segment boundaries. See the
-//     kernels' comments.
+// mxfp4_rows_to_fp8_cols: MXFP4 rows grouped by expert -> FP8 1x128 columns, dequantize + transpose +
+// requantize in one pass through shared memory (formats.mxfp4_rows_to_fp8_cols).
+//   One pass (every segment starting on a 16-row boundary): one CTA per scale group (<= 128 rows of
+//     one expert, found on the device from the split lengths) and 256 hidden columns reads the group's
+//     rows as coalesced 128-byte pieces, takes the columns' maxima, converts, and writes the group's
+//     part of the column-major output through a transposed tile in shared memory (one tensor copy per
+//     tile of 128 rows starting on a 16-row boundary).
+//   Two passes (any segments): first one CTA per scale group and 256 hidden columns reads the group's
+//     rows as coalesced 128-byte pieces and writes the FP32 scales, small records of the scale bytes
+//     and each row's group; then one CTA per aligned window of 128 tokens and 256 hidden columns
+//     converts each row with its group's record and writes whole aligned 16-byte pieces of the output
+//     that no other CTA touches, whatever the segment boundaries. See the kernels' comments.
 #include "sm90_common.cuh"
 #include "sm90_divide.cuh"
 #include "sm90_launchers.h"
@@ -22,138 +19,13 @@
 
 #include <climits>
 #include <cstdlib>
-#include <type_traits>
 
 namespace moe_fp4 {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kRowUnroll = 8;  // items (8-byte loads) in flight per lane
 
-struct RemapTable {
-  uint32_t word[kRemapRows][2];  // bytes: E4M3 magnitude of E2M1 magnitude code c at shift d
-  uint32_t zero[kRemapRows];     // bit c: nonzero code c becomes zero at shift d (an underflow)
-};
-
-constexpr RemapTable make_remap_table() {
-  RemapTable t{};
-  for (int d = 0; d < kRemapRows; ++d) {
-    const int shift = d < kRemapRows - 1 ? d : 64;
-    t.word[d][0] = remap_word(shift, 0);
-    t.word[d][1] = remap_word(shift, 1);
-    uint32_t z = 0;
-    for (int c = 1; c < 8; ++c) z |= (e4m3_of_shifted_e2m1(c, shift) == 0u ? 1u : 0u) << c;
-    t.zero[d] = z;
-  }
-  return t;
-}
-
-__constant__ RemapTable kRemap = make_remap_table();
-
-// 8 packed bytes (16 E2M1 codes) of a row.
-template <bool kVec8>
-__device__ __forceinline__ uint2 load_packed8(const uint8_t* p) {
-  if constexpr (kVec8) {
-    return __ldcs(reinterpret_cast<const uint2*>(p));
-  } else {
-    const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
-    return make_uint2(__ldcs(q), __ldcs(q + 1));
-  }
-}
-
-__device__ __forceinline__ uint32_t count_underflow(uint32_t w, uint32_t zero_mask) {
-  uint32_t n = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) n += (zero_mask >> ((w >> (4 * i)) & 7u)) & 1u;
-  return n;
-}
-
-template <bool kVec8>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const Mxfp4ToFp8RowsParams p) {
-  __shared__ RemapTable remap;
-  for (int i = threadIdx.x; i < kRemapRows; i += kThreads) {
-    remap.word[i][0] = kRemap.word[i][0];
-    remap.word[i][1] = kRemap.word[i][1];
-    remap.zero[i] = kRemap.zero[i];
-  }
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
-  const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
-  // An item is half an MX block: 8 packed bytes in, 16 E4M3 bytes out (one 16-byte store per lane,
-  // contiguous over the warp); 8 items per FP8 group.
-  const int items = p.hidden / 16;
-  const int groups = p.hidden / kFp8Group;
-  const Segments& seg = p.segments;
-  const long long covered =
-      (seg.lens != nullptr && seg.offsets == nullptr) ? warp_sum_lengths(seg.lens, seg.is64, seg.num) : p.rows;
-  unsigned long long underflow = 0;
-  for (long long row = warp; row < p.rows; row += num_warps) {
-    uint8_t* orow = p.out + row * p.hidden;
-    float* srow = p.out_scales + row * groups;
-    const bool in_segment =
-        seg.lens == nullptr || warp_row_in_segments(row, seg.lens, seg.offsets, seg.is64, seg.num, covered);
-    if (!in_segment) {  // rows outside every segment: zero data and zero scales
-      for (int item = lane; item < items; item += 32) reinterpret_cast<uint4*>(orow)[item] = make_uint4(0, 0, 0, 0);
-      for (int g = lane; g < groups; g += 32) srow[g] = 0.0f;
-      continue;
-    }
-    const uint8_t* prow = p.packed + row * p.packed_stride;
-    const uint8_t* scrow = p.scales + row * p.scales_stride;
-    // kFull: every item of the pass lies in the row (no bounds checks).
-    auto pass = [&](int base, auto full) {
-      constexpr bool kFull = decltype(full)::value;
-      uint2 raw[kRowUnroll];
-      uint32_t s4[kRowUnroll];
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        const int item = base + u * 32 + lane;
-        if (kFull || item < items) {
-          raw[u] = load_packed8<kVec8>(prow + item * 8);
-          s4[u] = __ldg(reinterpret_cast<const uint32_t*>(scrow + (item >> 3) * 4));  // the group's 4 scales
-        } else {
-          raw[u] = make_uint2(0, 0);
-          s4[u] = 0;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kRowUnroll; ++u) {
-        const int item = base + u * 32 + lane;
-        if (!kFull && item >= items) continue;
-        const uint32_t emax = group_emax(s4[u]);
-        uint4 o = make_uint4(0, 0, 0, 0);  // NaN group: zero data
-        if (emax != kUe8m0Nan) {
-          const uint32_t e = (s4[u] >> (8 * ((item >> 1) & 3))) & 0xFFu;
-          const uint32_t d = min(emax - e, static_cast<uint32_t>(kRemapRows - 1));
-          const uint32_t lo = remap.word[d][0], hi = remap.word[d][1];
-          remap8(raw[u].x, lo, hi, o.x, o.y);
-          remap8(raw[u].y, lo, hi, o.z, o.w);
-          const uint32_t zero_mask = remap.zero[d];
-          if (zero_mask != 0u) underflow += count_underflow(raw[u].x, zero_mask) + count_underflow(raw[u].y, zero_mask);
-        }
-        reinterpret_cast<uint4*>(orow)[item] = o;
-      }
-    };
-    int base = 0;
-    for (; base + 32 * kRowUnroll <= items; base += 32 * kRowUnroll) pass(base, std::true_type{});
-    if (base < items) pass(base, std::false_type{});
-    // The group scales, one per lane: 2^(emax - 127 - 6) of the group's largest scale byte.
-    for (int g = lane; g < groups; g += 32) {
-      const uint32_t s4 = __ldg(reinterpret_cast<const uint32_t*>(scrow) + g);
-      srow[g] = group_scale(group_emax(s4));
-    }
-  }
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) underflow += __shfl_xor_sync(0xFFFFFFFFu, underflow, m);
-  if (lane == 0 && underflow != 0ull) atomicAdd(p.underflow, underflow);
-}
-
-// ------------------------------------------------------------------------------------------------
-// FP4RowToFP8Col
-// ------------------------------------------------------------------------------------------------
-
-constexpr int kTileRows = kFp8Group;     // tokens per tile: one FP8 scale group
-
+constexpr int kTileRows = kFp8Group;  // tokens per tile: one FP8 scale group
 
 // Programmatic dependent launch: the two-pass path's kernels start while the previous one finishes.
 // A kernel launched with launch_dependent waits in grid_wait() until the previous kernel has
@@ -164,7 +36,7 @@ __device__ __forceinline__ void grid_launch_next() { asm volatile("griddepcontro
 
 // One segment-group prefix pass (a single block): group offsets (output), first row of each segment,
 // the rows they cover in all, and for every scale group its first row and row count.
-__global__ void __launch_bounds__(1024) sm90_cols_prepare_kernel(const Mxfp4ToFp8ColsParams p) {
+__global__ void __launch_bounds__(1024) sm90_mxfp4_rows_to_fp8_cols_prepare_kernel(const Mxfp4RowsToFp8ColsParams p) {
   __shared__ long long warp_groups[32], warp_rows[32];
   __shared__ long long carry_groups, carry_rows;
   const Segments& seg = p.segments;
@@ -354,7 +226,7 @@ __device__ __forceinline__ uint32_t byte_key_scale_byte(uint32_t key) {
 // Step 1's exact fallback: the FP8 scale byte of column col over the group's rows [row0, row0 + cnt),
 // from the largest 16-bit key 4 S + k(c) of its nonzero codes (0x100 for an all-zero column). Reads the
 // rows again (from the L2), a byte per row; for lanes that met a scale byte 252..254, outside NaN blocks.
-__device__ __forceinline__ uint32_t exact_column_scale_byte(const Mxfp4ToFp8ColsParams& p, long long row0, int cnt,
+__device__ __forceinline__ uint32_t exact_column_scale_byte(const Mxfp4RowsToFp8ColsParams& p, long long row0, int cnt,
                                                             int col) {
   const uint8_t* pc = p.packed + row0 * p.packed_stride + col / 2;
   const uint8_t* sc = p.scales + row0 * p.scales_stride + col / kMxBlock;
@@ -386,7 +258,7 @@ __device__ __forceinline__ uint32_t ld_keep_u8(const uint8_t* q, uint64_t pol) {
 // A lane's row i: its 4 packed bytes (one 4-byte load, or bytes when rows are not 4-byte aligned) and
 // the row's scale byte of the lane's MX block.
 template <bool kVec4>
-__device__ __forceinline__ void load_lane_row(const Mxfp4ToFp8ColsParams& p, const uint8_t* prow, const uint8_t* srow,
+__device__ __forceinline__ void load_lane_row(const Mxfp4RowsToFp8ColsParams& p, const uint8_t* prow, const uint8_t* srow,
                                               int i, uint32_t& w, uint32_t& s) {
   const uint8_t* q = prow + static_cast<long long>(i) * p.packed_stride;
   if constexpr (kVec4) {
@@ -414,7 +286,7 @@ constexpr int kScaleCols = 256;   // hidden columns per CTA: 8 per lane
 constexpr int kScaleRowsPerWarp = kTileRows / kColWarps;
 
 __global__ void __launch_bounds__(kThreads, 5)
-    sm90_cols_scales_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_chunks) {
+    sm90_mxfp4_rows_to_fp8_cols_scales_kernel(const Mxfp4RowsToFp8ColsParams p, DivU32 by_chunks) {
   __shared__ uint4 s_max[kColWarps - 1][32];  // warps 1..7: column keys of each lane
   __shared__ uint32_t s_nan[kColWarps - 1];   // warps 1..7: a NaN scale byte seen, per lane (bit)
   __shared__ uint32_t s_big[kColWarps - 1];   // warps 1..7: a scale byte above kByteKeyMaxScale, per lane
@@ -515,7 +387,7 @@ __global__ void __launch_bounds__(kThreads, 5)
   reinterpret_cast<uint4*>(p.col_records)[g * (p.hidden / 8) + col0 / 8] = make_uint4(word, word_hi, fmin | (fmx << 8), 0u);
 }
 
-// ---- FP4RowToFP8Col as CTA tiles: one CTA per (scale group, 256 hidden columns). ----
+// ---- The one-pass kernel as CTA tiles: one CTA per (scale group, 256 hidden columns). ----
 // Warp 0 first finds the CTA's group from the split lengths (a prefix over the experts, 32 at a time);
 // with full_groups, or a group table from the caller (GroupHints), the other warps do not wait for it
 // (step 1 runs on the rows loaded early, and the look-up is checked at step 1's barrier, so the
@@ -696,7 +568,7 @@ struct GroupHints {
 // fill into it slowed it down).
 template <bool kVec4, bool kAtOffsets>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
-    sm90_cols_tile_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_groups, const GroupHints hints,
+    sm90_mxfp4_rows_to_fp8_cols_tile_kernel(const Mxfp4RowsToFp8ColsParams p, DivU32 by_groups, const GroupHints hints,
                           const __grid_constant__ CUtensorMap out_box, bool box_store) {
   extern __shared__ __align__(16) uint8_t smem_raw[];  // the tile at a 1024-byte boundary (128-byte swizzle)
   uint8_t* smem = smem_raw + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u);
@@ -1097,7 +969,7 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
 // tests cost about 300 instructions per thread).
 template <bool kVec4>
 __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
-    sm90_cols_window_kernel(const Mxfp4ToFp8ColsParams p, DivU32 by_windows) {
+    sm90_mxfp4_rows_to_fp8_cols_window_kernel(const Mxfp4RowsToFp8ColsParams p, DivU32 by_windows) {
   __shared__ __align__(16) uint8_t tile[kTileBytes];
   __shared__ __align__(4) uint8_t ktable[kColKRows * 8];  // E4M3 magnitudes (kKTable)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1209,22 +1081,6 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
              min(kTileCols, p.hidden - ch * kTileCols), cnt, tid);
 }
 
-}  // namespace
-
-cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream) {
-  if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
-  const bool vec8 = ((p.packed_stride & 7) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 7) == 0);
-  // One row per warp and the hardware's block scheduler, not a persistent grid: with a few rows per
-  // persistent warp the warps holding one more row finish last.
-  const long long blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
-  const int grid = static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30));  // the kernel strides past it
-  if (vec8) {
-    sm90_mxfp4_to_fp8_rows_kernel<true><<<grid, kThreads, 0, stream>>>(p);
-  } else {
-    sm90_mxfp4_to_fp8_rows_kernel<false><<<grid, kThreads, 0, stream>>>(p);
-  }
-  return cudaGetLastError();
-}
 
 // The tensor map of the one-pass kernel's tile stores: the output [H, N] (row stride out_stride) viewed as
 // [8 (c % 8)][H / 8 (c / 8)][N bytes], boxes of [8][32][128] with the 128-byte swizzle (tile_slot<true>).
@@ -1233,7 +1089,7 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
 // compute-sanitizer's initcheck, which does not see the copy engine's writes and reports every byte of
 // them as uninitialized when read). Read at each launch, not cached: a process may switch it, as the
 // GPU test that checks both store paths against the spec does; a getenv is small beside the launch.
-bool output_box_map(const Mxfp4ToFp8ColsParams& p, CUtensorMap& map) {
+bool output_box_map(const Mxfp4RowsToFp8ColsParams& p, CUtensorMap& map) {
   const char* env = std::getenv("MOE_FP4_COLUMN_BOX_STORE");
   if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
@@ -1261,7 +1117,7 @@ bool output_box_map(const Mxfp4ToFp8ColsParams& p, CUtensorMap& map) {
 
 // A kernel of the two-pass path, launched as a programmatic dependent of the previous kernel.
 template <typename Kernel>
-cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8ColsParams& p, DivU32 div,
+cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4RowsToFp8ColsParams& p, DivU32 div,
                              cudaStream_t stream) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(blocks);
@@ -1276,7 +1132,9 @@ cudaError_t launch_dependent(Kernel kernel, unsigned blocks, const Mxfp4ToFp8Col
   return cudaLaunchKernelEx(&cfg, kernel, p, div);
 }
 
-cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t stream) {
+}  // namespace
+
+cudaError_t launch_mxfp4_rows_to_fp8_cols(const Mxfp4RowsToFp8ColsParams& p, cudaStream_t stream) {
   const bool two_pass = p.col_records != nullptr && p.row_groups != nullptr;
   const bool empty = p.rows <= 0 || p.hidden <= 0;
   // Rows read as 4-byte words (else bytes: only one-row views with an odd stride reach here).
@@ -1297,7 +1155,7 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   }
   // The group offsets of an empty input, and the groups' rows for the two-pass path (the one-pass
   // kernel finds its group itself).
-  if (two_pass || empty) sm90_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
+  if (two_pass || empty) sm90_mxfp4_rows_to_fp8_cols_prepare_kernel<<<1, 1024, 0, stream>>>(p);
   if (empty) return cudaGetLastError();
   if (!two_pass) {
     long long blocks = p.num_groups * chunks;
@@ -1334,8 +1192,8 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
       return cudaGetLastError();
     };
     const bool at_offsets = p.segments.offsets != nullptr;
-    if (vec4) return at_offsets ? launch(sm90_cols_tile_kernel<true, true>) : launch(sm90_cols_tile_kernel<true, false>);
-    return at_offsets ? launch(sm90_cols_tile_kernel<false, true>) : launch(sm90_cols_tile_kernel<false, false>);
+    if (vec4) return at_offsets ? launch(sm90_mxfp4_rows_to_fp8_cols_tile_kernel<true, true>) : launch(sm90_mxfp4_rows_to_fp8_cols_tile_kernel<true, false>);
+    return at_offsets ? launch(sm90_mxfp4_rows_to_fp8_cols_tile_kernel<false, true>) : launch(sm90_mxfp4_rows_to_fp8_cols_tile_kernel<false, false>);
   }
   // Pass 1: every row's group and the groups' scales and records; pass 2: the output. Each starts
   // while the previous kernel ends (programmatic dependent launch).
@@ -1343,14 +1201,14 @@ cudaError_t launch_mxfp4_to_fp8_cols(const Mxfp4ToFp8ColsParams& p, cudaStream_t
   if (err != cudaSuccess) return err;
   const long long scale_blocks = p.num_groups * ((p.hidden + kScaleCols - 1) / kScaleCols);
   if (scale_blocks > 0) {
-    err = launch_dependent(sm90_cols_scales_kernel, static_cast<unsigned>(scale_blocks), p,
+    err = launch_dependent(sm90_mxfp4_rows_to_fp8_cols_scales_kernel, static_cast<unsigned>(scale_blocks), p,
                            make_div_u32(static_cast<uint32_t>((p.hidden + kScaleCols - 1) / kScaleCols)), stream);
     if (err != cudaSuccess) return err;
   }
   const unsigned window_blocks = static_cast<unsigned>(windows * chunks);
   const DivU32 by_windows = make_div_u32(static_cast<uint32_t>(windows));
-  return vec4 ? launch_dependent(sm90_cols_window_kernel<true>, window_blocks, p, by_windows, stream)
-              : launch_dependent(sm90_cols_window_kernel<false>, window_blocks, p, by_windows, stream);
+  return vec4 ? launch_dependent(sm90_mxfp4_rows_to_fp8_cols_window_kernel<true>, window_blocks, p, by_windows, stream)
+              : launch_dependent(sm90_mxfp4_rows_to_fp8_cols_window_kernel<false>, window_blocks, p, by_windows, stream);
 }
 
 }  // namespace moe_fp4
