@@ -1,5 +1,5 @@
-"""FP4RowToFP8Row fused with the expansion to expert rows (ops.mxfp4_rows_expand_fp8_blockwise, the
-receive side of the mxfp4 dispatch): every output row equals the spec's conversion of its token's row."""
+"""ops.mxfp4_rows_expand_fp8_blockwise: mxfp4_rows_to_fp8_blockwise fused with the expansion to expert rows
+(the receive side of the mxfp4 dispatch): every output row equals the spec's conversion of its token's row."""
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ def test_spec_fallback_and_checks():
     with pytest.raises(ValueError, match="num_rows"):
         ops.mxfp4_rows_expand_fp8_blockwise(rows, 256, slots, -1)
     plain = _mxfp4_rows(40, 256, "cpu")  # no NaN group: opcheck compares outputs with ==
-    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8.default, (plain, 256, slots, num_rows))
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_blockwise.default, (plain, 256, slots, num_rows))
 
 
 @pytest.mark.gpu
@@ -106,7 +106,7 @@ def test_payload_expansion_equals_the_gather_path():
     ref_d, ref_s = codec.gather_fp8_blockwise(rows, h, token)
     assert_bitwise_equal(data, ref_d, "data")
     assert_bitwise_equal(scales, ref_s, "scales")
-    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8.default, (rows, h, slots, num_rows))
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_blockwise.default, (rows, h, slots, num_rows))
 
 
 def _fill_in_blocks(rows, h, slots, num_rows, cut):
@@ -183,7 +183,8 @@ def test_expansion_into_a_given_output_by_blocks(device):
     plain = _mxfp4_rows(n, h, device)
     # (opcheck's schema test compares mutated tensors with arithmetic float8 lacks; the mutation itself is
     # checked above: named rows written, the others kept)
-    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_into.default, (plain, h, slots, *out, None, None),
+    torch.library.opcheck(torch.ops.moe_fp4.mxfp4_rows_expand_fp8_blockwise_into.default,
+                          (plain, h, slots, *out, None, None),
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 

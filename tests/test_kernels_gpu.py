@@ -824,4 +824,4 @@ def test_binding_checks_raise_instead_of_crashing():
         native.quantize_fp8_blockwise(x)
     packed, scales = _mxfp4_input(8, 256)
     with pytest.raises(RuntimeError, match=r"scales: expected shape \[8, 8\]"):
-        native.mxfp4_to_fp8_rows(packed, scales[:, :4], None, None)
+        native.mxfp4_to_fp8_blockwise(packed, scales[:, :4], None, None)

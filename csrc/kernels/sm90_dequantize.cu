@@ -13,7 +13,7 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kUnroll = 4;
 
-__global__ void __launch_bounds__(kThreads) sm90_dequantize_mxfp4_bf16_kernel(const DequantizeMxfp4Params p) {
+__global__ void __launch_bounds__(kThreads) sm90_dequantize_mxfp4_kernel(const DequantizeMxfp4Params p) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
@@ -56,15 +56,15 @@ __global__ void __launch_bounds__(kThreads) sm90_dequantize_mxfp4_bf16_kernel(co
 
 }  // namespace
 
-cudaError_t launch_dequantize_mxfp4_bf16(const DequantizeMxfp4Params& p, cudaStream_t stream) {
+cudaError_t launch_dequantize_mxfp4(const DequantizeMxfp4Params& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
   int device = 0, sms = 0, per_sm = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_dequantize_mxfp4_bf16_kernel, kThreads, 0);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_dequantize_mxfp4_kernel, kThreads, 0);
   const long long need = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
   const long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
-  sm90_dequantize_mxfp4_bf16_kernel<<<static_cast<int>(need < cap ? need : cap), kThreads, 0, stream>>>(p);
+  sm90_dequantize_mxfp4_kernel<<<static_cast<int>(need < cap ? need : cap), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

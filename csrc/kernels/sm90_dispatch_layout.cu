@@ -43,7 +43,7 @@ __host__ __device__ __forceinline__ long long send_tile_width(int e, int w, int 
 
 // Pass 1: each tile counts its tokens per destination rank, its (token, slot) pairs per expert and per
 // (rank, slot), its invalid ids, and keeps each token's set of destination ranks as a bit mask.
-__global__ void __launch_bounds__(kSendThreads) sm90_send_count_kernel(SendLayoutParams p) {
+__global__ void __launch_bounds__(kSendThreads) sm90_send_layout_count_kernel(SendLayoutParams p) {
   extern __shared__ int s_stats[];
   const int e_all = p.num_experts, w = p.world_size, k = p.topk, per_rank = e_all / w;
   const long long width = send_tile_width(e_all, w, k);
@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kSendThreads) sm90_send_count_kernel(SendLayou
 // Pass 2: each token's row in each destination's block of the send buffer (blocks by rank, tokens
 // ascending within a block: the tile's base from the earlier tiles' counts, then a scan of the tile),
 // the send order, the metadata rows, and the count rows exchanged with the peers.
-__global__ void __launch_bounds__(kSendThreads) sm90_send_order_kernel(SendLayoutParams p, int tiles) {
+__global__ void __launch_bounds__(kSendThreads) sm90_send_layout_order_kernel(SendLayoutParams p, int tiles) {
   __shared__ long long s_base[kMaxLayoutRanks];
   __shared__ long long s_total[kMaxLayoutRanks];
   __shared__ long long s_start[kMaxLayoutRanks];  // first row of each block laid back to back
@@ -207,7 +207,7 @@ __device__ __forceinline__ int entry_expert(const ExpandLayoutParams& p, int q) 
 }
 
 // Pass 1: entries per local expert in each tile of kExpandTile (token, slot) entries.
-__global__ void __launch_bounds__(kExpandThreads) sm90_expand_count_kernel(ExpandLayoutParams p) {
+__global__ void __launch_bounds__(kExpandThreads) sm90_expand_layout_count_kernel(ExpandLayoutParams p) {
   extern __shared__ int s_hist[];
   for (int e = threadIdx.x; e < p.num_local; e += blockDim.x) s_hist[e] = 0;
   __syncthreads();
@@ -244,7 +244,7 @@ __device__ __forceinline__ long long block_exclusive_scan(long long v, long long
 // expert the entries keep their order (received token, then slot). Each warp ranks its kExpandPerWarp entries
 // round by round (lanes of equal expert matched, the earlier lanes counted), after the tile's warps
 // and the earlier tiles.
-__global__ void __launch_bounds__(kExpandThreads) sm90_expand_order_kernel(ExpandLayoutParams p, int tiles) {
+__global__ void __launch_bounds__(kExpandThreads) sm90_expand_layout_order_kernel(ExpandLayoutParams p, int tiles) {
   extern __shared__ long long s_dyn[];
   __shared__ long long s_warps[kExpandWarps];
   const int num_local = p.num_local;
@@ -394,14 +394,14 @@ cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream) {
   const long long smem = send_tile_width(p.num_experts, p.world_size, p.topk) * sizeof(int);
   if (tiles > 0) {
     if (smem > 48 * 1024) {
-      const cudaError_t err = cudaFuncSetAttribute(sm90_send_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      const cudaError_t err = cudaFuncSetAttribute(sm90_send_layout_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                    static_cast<int>(smem));
       if (err != cudaSuccess) return err;
     }
-    sm90_send_count_kernel<<<static_cast<unsigned>(tiles), kSendThreads, smem, stream>>>(p);
+    sm90_send_layout_count_kernel<<<static_cast<unsigned>(tiles), kSendThreads, smem, stream>>>(p);
   }
   const int blocks = static_cast<int>(tiles > p.world_size ? tiles : p.world_size);
-  sm90_send_order_kernel<<<blocks, kSendThreads, 0, stream>>>(p, static_cast<int>(tiles));
+  sm90_send_layout_order_kernel<<<blocks, kSendThreads, 0, stream>>>(p, static_cast<int>(tiles));
   return cudaGetLastError();
 }
 
@@ -411,15 +411,15 @@ cudaError_t launch_expand_layout(const ExpandLayoutParams& p, cudaStream_t strea
   if (p.tokens * p.topk > INT32_MAX - 2 * kExpandTile) return cudaErrorInvalidValue;  // 32-bit entry indices
   const long long tiles = (p.tokens * p.topk + kExpandTile - 1) / kExpandTile;
   if (tiles > 0)
-    sm90_expand_count_kernel<<<static_cast<unsigned>(tiles), kExpandThreads, p.num_local * sizeof(int), stream>>>(p);
+    sm90_expand_layout_count_kernel<<<static_cast<unsigned>(tiles), kExpandThreads, p.num_local * sizeof(int), stream>>>(p);
   const long long smem = p.num_local * (sizeof(long long) + kExpandWarps * sizeof(int));
   if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(sm90_expand_order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const cudaError_t err = cudaFuncSetAttribute(sm90_expand_layout_order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                  static_cast<int>(smem));
     if (err != cudaSuccess) return err;
   }
   const unsigned blocks = static_cast<unsigned>(tiles > 0 ? tiles : 1);
-  sm90_expand_order_kernel<<<blocks, kExpandThreads, smem, stream>>>(p, static_cast<int>(tiles));
+  sm90_expand_layout_order_kernel<<<blocks, kExpandThreads, smem, stream>>>(p, static_cast<int>(tiles));
   return cudaGetLastError();
 }
 

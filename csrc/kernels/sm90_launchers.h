@@ -40,7 +40,7 @@ struct RowDestinations {
                                             // kernels of other streams; 0: fill the GPU
 };
 
-// BF16ToFP4Row: x [T, H] (row stride x_stride elements) -> MXFP4.
+// quantize_mxfp4 (and quantize_mxfp4_rows, _rows_multi): x [T, H] (row stride x_stride elements) -> MXFP4.
 struct QuantizeMxfp4Params {
   const void* x;             // float32/bfloat16/float16 [T, H]
   FloatInput x_type;
@@ -58,9 +58,9 @@ struct QuantizeMxfp4Params {
   RowDestinations dests;     // num > 0 (bfloat16 x only): byte rows [H/2 packed | H/32 scales] to
                              // these destinations instead (packed, scales, row_index, out_rows unused)
   // With destinations and fp8_out set: the rows stored to destination fp8_dest are also converted to
-  // FP8 1x128 (FP4RowToFP8Row, as launch_mxfp4_expand_fp8_rows) from the staged row and written to the
-  // output rows fp8_slots[r, 0..fp8_k), r the token's row in that destination (outside [0, fp8_rows):
-  // skipped). H must be a multiple of 128.
+  // FP8 1x128 (as launch_mxfp4_rows_expand_fp8_blockwise) from the staged row and written to the output
+  // rows fp8_slots[r, 0..fp8_k), r the token's row in that destination (outside [0, fp8_rows): skipped).
+  // H must be a multiple of 128.
   int fp8_dest;
   const long long* fp8_slots;  // int64 [rows of destination fp8_dest, fp8_k]
   int fp8_k;                   // 1..32
@@ -81,8 +81,9 @@ struct ScatterRowsParams {
 };
 cudaError_t launch_scatter_rows(const ScatterRowsParams& p, cudaStream_t stream);
 
-// FP4RowToFP8Row: MXFP4 rows -> E4M3 [N, H] + FP32 scales [N, H/128] + underflow count.
-struct Mxfp4ToFp8RowsParams {
+// mxfp4_to_fp8_blockwise (and mxfp4_rows_to_fp8_blockwise): MXFP4 rows -> E4M3 [N, H] + FP32 scales
+// [N, H/128] + underflow count.
+struct Mxfp4ToFp8BlockwiseParams {
   const uint8_t* packed;       // uint8 [N, H/2] (row stride packed_stride bytes)
   long long packed_stride;
   const uint8_t* scales;       // uint8 [N, H/32] (row stride scales_stride bytes, 4-byte aligned rows)
@@ -94,7 +95,7 @@ struct Mxfp4ToFp8RowsParams {
   int hidden;                  // H, a multiple of 128
   Segments segments;           // rows outside every segment get zero data and zero scales
 };
-cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream);
+cudaError_t launch_mxfp4_to_fp8_blockwise(const Mxfp4ToFp8BlockwiseParams& p, cudaStream_t stream);
 
 // mxfp4_rows_to_fp8_cols: MXFP4 rows grouped by expert -> E4M3 columns [H, N] + FP32 scales [H, G],
 // the scales stored outer-dim-major (a [G, H] buffer).
@@ -145,7 +146,7 @@ long long column_groups_of(const long long* lens, const long long* starts, int n
 cudaError_t launch_mxfp4_rows_to_fp8_cols(const Mxfp4RowsToFp8ColsParams& p, cudaStream_t stream);
 
 // BF16 -> FP8 1x128: x [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128].
-struct QuantizeFp8Params {
+struct QuantizeFp8BlockwiseParams {
   const void* x;             // float32/bfloat16/float16 [T, H] (row stride x_stride elements)
   FloatInput x_type;
   long long x_stride;
@@ -157,7 +158,7 @@ struct QuantizeFp8Params {
                              // these destinations instead (out, out_scales unused)
   int row_parts;             // set by the launcher (the caller's value is ignored): warps per row
 };
-cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream);
+cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8BlockwiseParams& p, cudaStream_t stream);
 // The widest byte row the multi-destination quantizers (RowDestinations with num > 0) can stage: each
 // CTA keeps one row per warp in shared memory, so a row may take an eighth of the current device's
 // opt-in shared memory per block, less a reserve for the kernels' own (0 if the query fails).
@@ -193,7 +194,7 @@ struct DequantizeMxfp4Params {
   long long rows;            // N
   int hidden;                // H, a multiple of 32
 };
-cudaError_t launch_dequantize_mxfp4_bf16(const DequantizeMxfp4Params& p, cudaStream_t stream);
+cudaError_t launch_dequantize_mxfp4(const DequantizeMxfp4Params& p, cudaStream_t stream);
 
 // NVFP4 byte rows: x [T, H] -> uint8 [T, H/2 + H/16 + 4] rows, H/2 packed E2M1 bytes (element 2i in
 // the low nibble), H/16 E4M3 block scales, then the FP32 tensor scale of the whole x (its 4 bytes,
@@ -214,7 +215,7 @@ cudaError_t launch_quantize_nvfp4_rows(const QuantizeNvfp4RowsParams& p, cudaStr
 // [n, H/128]: each element decoded exactly as formats.dequantize_nvfp4_rows (E2M1 value times the block
 // divisor float32(e4m3 scale * tensor scale)), then quantized as formats.quantize_fp8_blockwise
 // (power-of-two scale per 1x128 group; NaN scale and zero data for a group holding NaN or Inf).
-struct Nvfp4RowsToFp8Params {
+struct Nvfp4RowsToFp8BlockwiseParams {
   const uint8_t* rows;       // 4-byte aligned rows, row stride row_stride bytes
   long long row_stride;
   uint8_t* out;              // float8_e4m3fn [n, H], contiguous
@@ -222,13 +223,13 @@ struct Nvfp4RowsToFp8Params {
   long long tokens;          // n
   int hidden;                // H, a multiple of 128
 };
-cudaError_t launch_nvfp4_rows_to_fp8(const Nvfp4RowsToFp8Params& p, cudaStream_t stream);
+cudaError_t launch_nvfp4_rows_to_fp8_blockwise(const Nvfp4RowsToFp8BlockwiseParams& p, cudaStream_t stream);
 
-// FP4RowToFP8Row fused with the expansion to expert rows: MXFP4 byte rows [n, H/2 + H/32] -> E4M3
-// [R, H] + FP32 scales [R, H/128], received row t converted once and written to output row
-// slots[t, j] for every j whose slot lies in [0, R) (the other slots are skipped). Output rows named
-// by no slot are not written.
-struct Mxfp4ExpandFp8RowsParams {
+// mxfp4_rows_expand_fp8_blockwise: mxfp4_to_fp8_blockwise fused with the expansion to expert rows:
+// MXFP4 byte rows [n, H/2 + H/32] -> E4M3 [R, H] + FP32 scales [R, H/128], received row t converted
+// once and written to output row slots[t, j] for every j whose slot lies in [0, R) (the other slots
+// are skipped). Output rows named by no slot are not written.
+struct Mxfp4RowsExpandFp8BlockwiseParams {
   const uint8_t* rows;       // uint8 [n, H/2 + H/32] (row stride row_stride bytes, 4-byte aligned rows)
   long long row_stride;
   const long long* slots;    // int64 [n, k]: the output row of each (row, slot), -1 for none
@@ -244,7 +245,7 @@ struct Mxfp4ExpandFp8RowsParams {
   const long long* copy_rows;  // [0, copy_count): not copied)
   long long copy_count;
 };
-cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cudaStream_t stream);
+cudaError_t launch_mxfp4_rows_expand_fp8_blockwise(const Mxfp4RowsExpandFp8BlockwiseParams& p, cudaStream_t stream);
 
 // The dispatch's routing tables (moe_fp4.ops.routing is their reference; see moe_fp4.ep.layout).
 // Count rows: one int64 row of info_width values per destination rank r, exchanged with the peers:

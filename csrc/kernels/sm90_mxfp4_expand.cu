@@ -1,9 +1,9 @@
-// FP4RowToFP8Row fused with the expansion to expert rows (the receive side of the dispatch): each
-// received MXFP4 byte row [H/2 packed | H/32 UE8M0] is converted once to FP8 1x128 (the direct remap
-// of formats.mxfp4_to_fp8_blockwise) and written to each of its output rows, one per local expert of
-// the token. One warp per received row: lanes j < k read the row's slots, then each pass converts 8
-// items per lane (an item is half an MX block: 8 packed bytes in, 16 E4M3 bytes out) and stores them
-// to every slot's row, 512 contiguous bytes per warp store.
+// mxfp4_rows_expand_fp8_blockwise: mxfp4_to_fp8_blockwise fused with the expansion to expert rows (the
+// receive side of the dispatch): each received MXFP4 byte row [H/2 packed | H/32 UE8M0] is converted
+// once to FP8 1x128 (the direct remap of formats.mxfp4_to_fp8_blockwise) and written to each of its
+// output rows, one per local expert of the token. One warp per received row: lanes j < k read the
+// row's slots, then each pass converts 8 items per lane (an item is half an MX block: 8 packed bytes
+// in, 16 E4M3 bytes out) and stores them to every slot's row, 512 contiguous bytes per warp store.
 #include "sm90_common.cuh"
 #include "sm90_launchers.h"
 #include "sm90_mxfp4_expand.cuh"
@@ -15,7 +15,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 template <bool kVec8>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(const Mxfp4ExpandFp8RowsParams p) {
+__global__ void __launch_bounds__(kThreads) sm90_mxfp4_rows_expand_fp8_blockwise_kernel(const Mxfp4RowsExpandFp8BlockwiseParams p) {
   __shared__ ExpandRemap remap;
   load_expand_remap(remap);
   const int lane = threadIdx.x & 31;
@@ -38,14 +38,14 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_expand_fp8_rows_kernel(co
 
 }  // namespace
 
-cudaError_t launch_mxfp4_expand_fp8_rows(const Mxfp4ExpandFp8RowsParams& p, cudaStream_t stream) {
+cudaError_t launch_mxfp4_rows_expand_fp8_blockwise(const Mxfp4RowsExpandFp8BlockwiseParams& p, cudaStream_t stream) {
   if (p.tokens <= 0) return cudaSuccess;
   const unsigned blocks = static_cast<unsigned>((p.tokens + kWarps - 1) / kWarps);
   const bool vec8 = (p.row_stride % 8 == 0) && (reinterpret_cast<uintptr_t>(p.rows) % 8 == 0);
   if (vec8) {
-    sm90_mxfp4_expand_fp8_rows_kernel<true><<<blocks, kThreads, 0, stream>>>(p);
+    sm90_mxfp4_rows_expand_fp8_blockwise_kernel<true><<<blocks, kThreads, 0, stream>>>(p);
   } else {
-    sm90_mxfp4_expand_fp8_rows_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
+    sm90_mxfp4_rows_expand_fp8_blockwise_kernel<false><<<blocks, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

@@ -1,4 +1,4 @@
-// FP4RowToFP8Row for one byte row, by one warp, stored to several output rows: the body of the
+// mxfp4_to_fp8_blockwise for one byte row, by one warp, stored to several output rows: the body of the
 // expansion kernel (sm90_mxfp4_expand.cu) and of the fused push (sm90_quantize.cu), which converts the
 // rows a rank sends itself from the row it has just staged in shared memory.
 #pragma once

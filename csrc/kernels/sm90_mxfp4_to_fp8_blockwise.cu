@@ -52,7 +52,7 @@ __device__ __forceinline__ uint32_t count_underflow(uint32_t w, uint32_t zero_ma
 }
 
 template <bool kVec8>
-__global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const Mxfp4ToFp8RowsParams p) {
+__global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_blockwise_kernel(const Mxfp4ToFp8BlockwiseParams p) {
   __shared__ RemapTable remap;
   for (int i = threadIdx.x; i < kRemapRows; i += kThreads) {
     remap.word[i][0] = kRemap.word[i][0];
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kThreads) sm90_mxfp4_to_fp8_rows_kernel(const 
 
 }  // namespace
 
-cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t stream) {
+cudaError_t launch_mxfp4_to_fp8_blockwise(const Mxfp4ToFp8BlockwiseParams& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
   const bool vec8 = ((p.packed_stride & 7) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 7) == 0);
   // One row per warp and the hardware's block scheduler, not a persistent grid: with a few rows per
@@ -141,9 +141,9 @@ cudaError_t launch_mxfp4_to_fp8_rows(const Mxfp4ToFp8RowsParams& p, cudaStream_t
   const long long blocks = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
   const int grid = static_cast<int>(blocks < (1LL << 30) ? blocks : (1LL << 30));  // the kernel strides past it
   if (vec8) {
-    sm90_mxfp4_to_fp8_rows_kernel<true><<<grid, kThreads, 0, stream>>>(p);
+    sm90_mxfp4_to_fp8_blockwise_kernel<true><<<grid, kThreads, 0, stream>>>(p);
   } else {
-    sm90_mxfp4_to_fp8_rows_kernel<false><<<grid, kThreads, 0, stream>>>(p);
+    sm90_mxfp4_to_fp8_blockwise_kernel<false><<<grid, kThreads, 0, stream>>>(p);
   }
   return cudaGetLastError();
 }

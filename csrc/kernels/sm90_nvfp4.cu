@@ -63,7 +63,7 @@ __device__ __forceinline__ uint32_t max_to_float_bits(uint32_t m) {
 }
 
 template <FloatInput kType>
-__global__ void __launch_bounds__(kThreads) sm90_nvfp4_amax_kernel(const QuantizeNvfp4RowsParams p) {
+__global__ void __launch_bounds__(kThreads) sm90_quantize_nvfp4_rows_amax_kernel(const QuantizeNvfp4RowsParams p) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
@@ -119,7 +119,7 @@ __device__ __forceinline__ void store_packed(uint8_t* p, uint2 v, int align) {
 }
 
 template <FloatInput kType>
-__global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_kernel(const QuantizeNvfp4RowsParams p) {
+__global__ void __launch_bounds__(kThreads) sm90_quantize_nvfp4_rows_kernel(const QuantizeNvfp4RowsParams p) {
   const int lane = threadIdx.x & 31;
   const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= p.tokens) return;
@@ -193,15 +193,15 @@ cudaError_t launch_typed(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) 
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   const long long row_blocks = (p.tokens + kWarps - 1) / kWarps;
   const long long amax_blocks = row_blocks < 8LL * sms ? row_blocks : 8LL * sms;
-  sm90_nvfp4_amax_kernel<kType><<<static_cast<unsigned>(amax_blocks), kThreads, 0, stream>>>(p);
-  sm90_nvfp4_rows_kernel<kType><<<static_cast<unsigned>(row_blocks), kThreads, 0, stream>>>(p);
+  sm90_quantize_nvfp4_rows_amax_kernel<kType><<<static_cast<unsigned>(amax_blocks), kThreads, 0, stream>>>(p);
+  sm90_quantize_nvfp4_rows_kernel<kType><<<static_cast<unsigned>(row_blocks), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
 // One warp per row; lane l of a pass takes chunk base + l: 32 elements (16 packed bytes, the scale
 // bytes of 2 blocks), 4 consecutive lanes one 1x128 group. Each element is the float32 product of its
 // E2M1 value and the block divisor (exact decode), then the group's FP8 1x128 (the spec's rounding).
-__global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_kernel(const Nvfp4RowsToFp8Params p) {
+__global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_blockwise_kernel(const Nvfp4RowsToFp8BlockwiseParams p) {
   const int lane = threadIdx.x & 31;
   const long long t = static_cast<long long>(blockIdx.x) * kWarps + (threadIdx.x >> 5);
   if (t >= p.tokens) return;
@@ -261,14 +261,14 @@ __global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_kernel(const 
 
 }  // namespace
 
-cudaError_t launch_nvfp4_rows_to_fp8(const Nvfp4RowsToFp8Params& p, cudaStream_t stream) {
+cudaError_t launch_nvfp4_rows_to_fp8_blockwise(const Nvfp4RowsToFp8BlockwiseParams& p, cudaStream_t stream) {
   if (p.tokens <= 0) return cudaSuccess;
   if (p.hidden % kFp8Group != 0 || (reinterpret_cast<uintptr_t>(p.rows) & 3) != 0 ||
       (p.tokens > 1 && (p.row_stride & 3) != 0)) {
     return cudaErrorInvalidValue;
   }
   const long long blocks = (p.tokens + kWarps - 1) / kWarps;
-  sm90_nvfp4_rows_to_fp8_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  sm90_nvfp4_rows_to_fp8_blockwise_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -1,4 +1,4 @@
-// Quantizers from float rows: BF16ToFP4Row (MXFP4, optionally as byte rows at a caller-given row, or
+// Quantizers from float rows: quantize_mxfp4 (MXFP4, optionally as byte rows at a caller-given row, or
 // to several destinations at once: the expert-parallel push into every rank's receive buffer) and
 // BF16 -> FP8 1x128; and the plain multi-destination push of encoded byte rows. One warp per row,
 // several 16-byte loads in flight per lane, block absolute maxima reduced with warp shuffles.
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_kernel(const Qua
   }
 }
 
-// BF16ToFP4Row for bfloat16 inputs: 16 elements (two 16-byte loads, half an MX block) per lane and
+// quantize_mxfp4 for bfloat16 inputs: 16 elements (two 16-byte loads, half an MX block) per lane and
 // item, so a block's absolute maximum takes one shuffle and its scale byte is derived by 2 lanes.
 constexpr int kBf16Unroll = 2;  // items in flight per lane (64 bytes)
 static_assert(kBf16Unroll == 2, "a warp step's 32 scale bytes are stored by one instruction (below)");
@@ -389,7 +389,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
 // kMulti: byte rows [H E4M3 | H/128 FP32 scales] staged in shared memory (one per warp), then stored
 // to every destination of p.dests that takes the token (as the MXFP4 multi-destination kernel).
 template <FloatInput kType, bool kMulti>
-__global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(const QuantizeFp8Params p) {
+__global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(const QuantizeFp8BlockwiseParams p) {
   const int lane = threadIdx.x & 31;
   const long long warp = (static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x) >> 5;
   const long long num_warps = (static_cast<long long>(gridDim.x) * kThreads) >> 5;
@@ -579,7 +579,7 @@ cudaError_t launch_quantize_mxfp4(const QuantizeMxfp4Params& p, cudaStream_t str
   return cudaGetLastError();
 }
 
-cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream_t stream) {
+cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8BlockwiseParams& p, cudaStream_t stream) {
   if (p.tokens <= 0 || p.hidden <= 0) return cudaSuccess;
   if (p.dests.num < 0 || p.dests.num > kMaxRowDestinations ||
       (p.dests.num > 0 && (p.x_type != FloatInput::kBFloat16 || p.dests.rows == nullptr))) {
@@ -595,7 +595,7 @@ cudaError_t launch_quantize_fp8_blockwise(const QuantizeFp8Params& p, cudaStream
   // per warp leaves warp slots empty at small token counts (4096 rows fill half of an H200's), and
   // the chunks measured faster at every size; splitting rows only while they are fewer than twice the
   // slots measured slower than always splitting.
-  QuantizeFp8Params q = p;
+  QuantizeFp8BlockwiseParams q = p;
   q.row_parts = (p.hidden / 8 + 32 * kUnroll - 1) / (32 * kUnroll);
   const long long units = p.tokens * q.row_parts;
   switch (p.x_type) {

@@ -294,7 +294,7 @@ void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto p = multi_rows_params<moe_fp4::QuantizeFp8Params>(x, dests, dest_rows, h + 4 * (h / 128), bulk, max_blocks);
+  const auto p = multi_rows_params<moe_fp4::QuantizeFp8BlockwiseParams>(x, dests, dest_rows, h + 4 * (h / 128), bulk, max_blocks);
   check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()),
                "quantize_fp8_blockwise_rows_multi");
 }
@@ -314,7 +314,7 @@ void scatter_rows(const Tensor& src, const std::vector<Tensor>& dests, const Ten
   check_launch(moe_fp4::launch_scatter_rows(p, c10::cuda::getCurrentCUDAStream()), "scatter_rows");
 }
 
-std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint8_t* packed, int64_t packed_stride,
+std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_blockwise_common(const Tensor& ref, const uint8_t* packed, int64_t packed_stride,
                                                    const uint8_t* scales, int64_t scales_stride, int64_t n,
                                                    int64_t h, const std::optional<Tensor>& split_lens,
                                                    const std::optional<Tensor>& split_offsets) {
@@ -325,7 +325,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint
   Tensor out = at::empty({n, h}, ref.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({n, h / 128}, ref.options().dtype(at::kFloat));
   Tensor underflow = at::zeros({}, ref.options().dtype(at::kLong));
-  moe_fp4::Mxfp4ToFp8RowsParams p{};
+  moe_fp4::Mxfp4ToFp8BlockwiseParams p{};
   p.packed = packed;
   p.packed_stride = packed_stride;
   p.scales = scales;
@@ -336,7 +336,7 @@ std::tuple<Tensor, Tensor, Tensor> fp8_rows_common(const Tensor& ref, const uint
   p.rows = n;
   p.hidden = checked_hidden(h, "packed");
   p.segments = segments_of(split_lens, split_offsets, ref);
-  check_launch(moe_fp4::launch_mxfp4_to_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_to_fp8_blockwise");
+  check_launch(moe_fp4::launch_mxfp4_to_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_to_fp8_blockwise");
   return {out, out_scales, underflow};
 }
 
@@ -355,11 +355,11 @@ void check_packed_scales(const Tensor& packed, const Tensor& scales) {
 }
 
 // packed uint8 [N, H/2], scales uint8 [N, H/32] -> (e4m3 [N, H], float32 [N, H/128], int64 underflow).
-std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_rows(const Tensor& packed, const Tensor& scales,
+std::tuple<Tensor, Tensor, Tensor> mxfp4_to_fp8_blockwise(const Tensor& packed, const Tensor& scales,
                                                      const std::optional<Tensor>& split_lens,
                                                      const std::optional<Tensor>& split_offsets) {
   check_packed_scales(packed, scales);
-  return fp8_rows_common(packed, packed.data_ptr<uint8_t>(), packed.stride(0), scales.data_ptr<uint8_t>(),
+  return mxfp4_to_fp8_blockwise_common(packed, packed.data_ptr<uint8_t>(), packed.stride(0), scales.data_ptr<uint8_t>(),
                          scales.stride(0), packed.size(0), packed.size(1) * 2, split_lens, split_offsets);
 }
 
@@ -374,13 +374,13 @@ void check_mxfp4_byte_rows(const Tensor& rows, int64_t hidden) {
               " bytes per row for hidden ", hidden, ", got ", rows.size(1));
 }
 
-// rows uint8 [N, H/2 + H/32] (byte rows) -> as mxfp4_to_fp8_rows.
-std::tuple<Tensor, Tensor, Tensor> mxfp4_byte_rows_to_fp8_rows(const Tensor& rows, int64_t hidden,
+// rows uint8 [N, H/2 + H/32] (byte rows) -> as mxfp4_to_fp8_blockwise.
+std::tuple<Tensor, Tensor, Tensor> mxfp4_rows_to_fp8_blockwise(const Tensor& rows, int64_t hidden,
                                                                const std::optional<Tensor>& split_lens,
                                                                const std::optional<Tensor>& split_offsets) {
   check_mxfp4_byte_rows(rows, hidden);
   const uint8_t* base = rows.data_ptr<uint8_t>();
-  return fp8_rows_common(rows, base, rows.stride(0), base + hidden / 2, rows.stride(0), rows.size(0), hidden,
+  return mxfp4_to_fp8_blockwise_common(rows, base, rows.stride(0), base + hidden / 2, rows.stride(0), rows.size(0), hidden,
                          split_lens, split_offsets);
 }
 
@@ -476,7 +476,7 @@ std::tuple<Tensor, Tensor> quantize_fp8_blockwise(const Tensor& x) {
   const int64_t t = x.size(0), h = x.size(1);
   Tensor out = at::empty({t, h}, x.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({t, h / 128}, x.options().dtype(at::kFloat));
-  moe_fp4::QuantizeFp8Params p{};
+  moe_fp4::QuantizeFp8BlockwiseParams p{};
   p.x = x.data_ptr();
   p.x_type = float_input(x);
   p.x_stride = x.stride(0);
@@ -541,7 +541,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize_fp8_tiles(const Tensor& w, bool tran
 }
 
 // packed uint8 [N, H/2], scales uint8 [N, H/32] -> bfloat16 [N, H].
-Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
+Tensor dequantize_mxfp4(const Tensor& packed, const Tensor& scales) {
   check_packed_scales(packed, scales);
   check_word_rows(packed.data_ptr(), packed.stride(0), packed.size(0), "packed");
   const c10::cuda::CUDAGuard guard(packed.device());
@@ -555,18 +555,18 @@ Tensor dequantize_mxfp4_bf16(const Tensor& packed, const Tensor& scales) {
   p.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   p.rows = n;
   p.hidden = checked_hidden(h, "packed");
-  check_launch(moe_fp4::launch_dequantize_mxfp4_bf16(p, c10::cuda::getCurrentCUDAStream()), "dequantize_mxfp4");
+  check_launch(moe_fp4::launch_dequantize_mxfp4(p, c10::cuda::getCurrentCUDAStream()), "dequantize_mxfp4");
   return out;
 }
 
 // MXFP4 byte rows uint8 [n, H/2 + H/32], slots int64 [n, k] (output row of each (row, slot), -1: none)
 // -> out e4m3 [R, H], out_scales float32 [R, H/128] (written in place): row t converted once
-// (FP4RowToFP8Row) and written to each of its slots' rows; slots outside [0, R) are skipped and the other
+// (mxfp4_to_fp8_blockwise) and written to each of its slots' rows; slots outside [0, R) are skipped and the other
 // output rows are left untouched (so several calls may fill one output, e.g. one per source block).
 // copy_to (optional): uint8 [m, H/2 + H/32] with 4-byte aligned rows, receives each byte row that names
 // an output row, as it is: row t at row t (m = n) or, with copy_rows (int64 [n]), at row copy_rows[t]
 // (outside [0, m): not copied; rows named twice get either copy).
-void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor& slots, const Tensor& out,
+void mxfp4_rows_expand_fp8_blockwise_into(const Tensor& rows, int64_t hidden, const Tensor& slots, const Tensor& out,
                                 const Tensor& out_scales, const c10::optional<Tensor>& copy_to,
                                 const c10::optional<Tensor>& copy_rows) {
   check_mxfp4_byte_rows(rows, hidden);
@@ -594,7 +594,7 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
   const int64_t num_rows = out.size(0);
   if (rows.size(0) == 0 || (num_rows == 0 && !copy_to.has_value())) return;
   const c10::cuda::CUDAGuard guard(rows.device());
-  moe_fp4::Mxfp4ExpandFp8RowsParams p{};
+  moe_fp4::Mxfp4RowsExpandFp8BlockwiseParams p{};
   if (copy_to.has_value()) {
     p.copy_to = copy_to->data_ptr<uint8_t>();
     p.copy_stride = copy_to->stride(0);
@@ -610,18 +610,18 @@ void mxfp4_rows_expand_fp8_into(const Tensor& rows, int64_t hidden, const Tensor
   p.tokens = rows.size(0);
   p.num_rows = num_rows;
   p.hidden = checked_hidden(hidden, "hidden");
-  check_launch(moe_fp4::launch_mxfp4_expand_fp8_rows(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_expand_fp8");
+  check_launch(moe_fp4::launch_mxfp4_rows_expand_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()), "mxfp4_rows_expand_fp8_blockwise");
 }
 
 // The same into new outputs of num_rows rows (rows named by no slot are left unwritten; the caller names
 // each once).
-std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8(const Tensor& rows, int64_t hidden, const Tensor& slots,
+std::tuple<Tensor, Tensor> mxfp4_rows_expand_fp8_blockwise(const Tensor& rows, int64_t hidden, const Tensor& slots,
                                                  int64_t num_rows) {
   TORCH_CHECK(num_rows >= 0, "num_rows: expected a non-negative count, got ", num_rows);
   check_mxfp4_byte_rows(rows, hidden);
   Tensor out = at::empty({num_rows, hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({num_rows, hidden / 128}, rows.options().dtype(at::kFloat));
-  mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, c10::nullopt, c10::nullopt);
+  mxfp4_rows_expand_fp8_blockwise_into(rows, hidden, slots, out, out_scales, c10::nullopt, c10::nullopt);
   return {out, out_scales};
 }
 
@@ -649,7 +649,7 @@ Tensor quantize_nvfp4_rows(const Tensor& x) {
 
 // NVFP4 byte rows uint8 [n, H/2 + H/16 + 4] (4-byte aligned rows), H % 128 == 0 -> (e4m3 [n, H], float32
 // [n, H/128]): formats.quantize_fp8_blockwise(formats.dequantize_nvfp4_rows(...)), in one pass.
-std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden) {
+std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8_blockwise(const Tensor& rows, int64_t hidden) {
   MOE_FP4_CHECK_CUDA(rows, "rows");
   MOE_FP4_CHECK_DTYPE(rows, at::kByte, "rows");
   MOE_FP4_CHECK_DIM(rows, 2, "rows");
@@ -662,14 +662,14 @@ std::tuple<Tensor, Tensor> nvfp4_rows_to_fp8(const Tensor& rows, int64_t hidden)
   Tensor out = at::empty({rows.size(0), hidden}, rows.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({rows.size(0), hidden / 128}, rows.options().dtype(at::kFloat));
   if (rows.size(0) == 0) return {out, out_scales};
-  moe_fp4::Nvfp4RowsToFp8Params p{};
+  moe_fp4::Nvfp4RowsToFp8BlockwiseParams p{};
   p.rows = rows.data_ptr<uint8_t>();
   p.row_stride = rows.stride(0);
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.out_scales = out_scales.data_ptr<float>();
   p.tokens = rows.size(0);
   p.hidden = checked_hidden(hidden, "hidden");
-  check_launch(moe_fp4::launch_nvfp4_rows_to_fp8(p, c10::cuda::getCurrentCUDAStream()), "nvfp4_rows_to_fp8");
+  check_launch(moe_fp4::launch_nvfp4_rows_to_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()), "nvfp4_rows_to_fp8_blockwise");
   return {out, out_scales};
 }
 
@@ -809,9 +809,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0);
   m.def("scatter_rows", &scatter_rows, "byte rows src [T,B] copied to dests[d] at dest_rows[t, d]", py::arg("src"),
         py::arg("dests"), py::arg("dest_rows"), py::arg("max_blocks") = 0);
-  m.def("mxfp4_to_fp8_rows", &mxfp4_to_fp8_rows, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),
+  m.def("mxfp4_to_fp8_blockwise", &mxfp4_to_fp8_blockwise, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"));
-  m.def("mxfp4_byte_rows_to_fp8_rows", &mxfp4_byte_rows_to_fp8_rows, "MXFP4 byte rows -> FP8 1x128 rows",
+  m.def("mxfp4_rows_to_fp8_blockwise", &mxfp4_rows_to_fp8_blockwise, "MXFP4 byte rows -> FP8 1x128 rows",
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_rows_to_fp8_cols", &mxfp4_rows_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
@@ -824,16 +824,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"));
   m.def("quantize_fp8_tiles", &quantize_fp8_tiles, "float [N,K] -> FP8 128x128 (+ its transpose)", py::arg("w"),
         py::arg("transpose"));
-  m.def("dequantize_mxfp4_bf16", &dequantize_mxfp4_bf16, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
+  m.def("dequantize_mxfp4", &dequantize_mxfp4, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
         py::arg("scales"));
-  m.def("mxfp4_rows_expand_fp8", &mxfp4_rows_expand_fp8,
+  m.def("mxfp4_rows_expand_fp8_blockwise", &mxfp4_rows_expand_fp8_blockwise,
         "MXFP4 byte rows -> FP8 1x128 rows, each written to its slots' rows", py::arg("rows"), py::arg("hidden"),
         py::arg("slots"), py::arg("num_rows"));
-  m.def("mxfp4_rows_expand_fp8_into", &mxfp4_rows_expand_fp8_into,
+  m.def("mxfp4_rows_expand_fp8_blockwise_into", &mxfp4_rows_expand_fp8_blockwise_into,
         "MXFP4 byte rows -> FP8 1x128 rows written in place to their slots' rows of out", py::arg("rows"),
         py::arg("hidden"), py::arg("slots"), py::arg("out"), py::arg("out_scales"), py::arg("copy_to") = py::none(),
         py::arg("copy_rows") = py::none());
-  m.def("nvfp4_rows_to_fp8", &nvfp4_rows_to_fp8, "NVFP4 byte rows -> FP8 1x128 rows", py::arg("rows"),
+  m.def("nvfp4_rows_to_fp8_blockwise", &nvfp4_rows_to_fp8_blockwise, "NVFP4 byte rows -> FP8 1x128 rows", py::arg("rows"),
         py::arg("hidden"));
   m.def("quantize_nvfp4_rows", &quantize_nvfp4_rows,
         "x [T,H] float -> NVFP4 byte rows u8 [T,H/2+H/16+4] (tensor scale of the whole x)", py::arg("x"));

@@ -8,7 +8,7 @@ argument. The multi-destination ops also stage 8 byte rows per thread block in s
 bounds their row width (29,024 bytes on an H100 or H200: H up to 54,624 for MXFP4 rows, 28,032 for
 FP8 rows).
 
-  quantize_mxfp4               BF16ToFP4Row: float [T, H] -> packed E2M1 [T, H/2] + UE8M0 [T, H/32]
+  quantize_mxfp4               float [T, H] -> packed E2M1 [T, H/2] + UE8M0 [T, H/32]
   quantize_mxfp4_rows          the same as byte rows [R, H/2 + H/32], optionally at given rows (dispatch)
   quantize_mxfp4_rows_multi    the byte rows of each token written to several destinations at once
                                (the expert-parallel push into every rank's receive buffer)
@@ -16,11 +16,11 @@ FP8 rows).
   scatter_rows                 byte rows copied to several destinations (the push of rows needing no encode)
   quantize_nvfp4_rows          float [T, H] -> NVFP4 byte rows [T, H/2 + H/16 + 4] (E2M1, E4M3 per 16, the
                                FP32 tensor scale of the whole batch): the nvfp4 dispatch payload
-  mxfp4_to_fp8_blockwise       FP4RowToFP8Row: MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
+  mxfp4_to_fp8_blockwise       MXFP4 -> E4M3 [N, H] + FP32 [N, H/128] (+ underflow count)
   mxfp4_rows_to_fp8_blockwise  the same, reading byte rows
   mxfp4_rows_expand_fp8_blockwise  the same from byte rows, each row written to several output rows (the
                                dispatch's expansion of received tokens to one FP8 row per local expert)
-  mxfp4_rows_to_fp8_cols       FP4RowToFP8Col: MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
+  mxfp4_rows_to_fp8_cols       MXFP4 rows per expert -> E4M3 [H, N] + FP32 [H, G]
   mxfp4_rows_to_fp8_cols_planned  the same for splits held on the host as ints, its plan kept by the caller
   quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
   quantize_fp8_rows_cols       float [M, K] -> FP8 1x128 of x and of x^T in one pass (the GEMM operands of
@@ -29,6 +29,9 @@ FP8 rows).
   dequantize_mxfp4             MXFP4 [..., H/2] + UE8M0 [..., H/32] -> bfloat16 (or float32/float16) [..., H]
   native_available, build      the extension: whether it is usable here; build/load it
   routing (module)             the dispatch's routing tables by counting kernels: send_layout, expand_layout
+
+The paper names three of them BF16ToFP4Row (quantize_mxfp4), FP4RowToFP8Row (mxfp4_to_fp8_blockwise)
+and FP4RowToFP8Col (mxfp4_rows_to_fp8_cols); the code uses the names above throughout.
 
 The extension is compiled with ninja through torch.utils.cpp_extension on first use on a CUDA
 device (or by ``python -m moe_fp4 build``) and cached.
@@ -177,7 +180,7 @@ def _packed_scales(packed, scales, fp8=True):
 
 
 def quantize_mxfp4(x: torch.Tensor, *, scale_rounding: str = "up") -> tuple[torch.Tensor, torch.Tensor]:
-    """BF16ToFP4Row: MXFP4 along the last dimension (formats.quantize_mxfp4, round to nearest even).
+    """MXFP4 along the last dimension (formats.quantize_mxfp4, round to nearest even).
 
     x: bfloat16/float32/float16 [T, H], H a multiple of 32, contiguous last dimension.
     scale_rounding: "up" (amax/6 rounded up to a power of two) or "down" (the OCP floor).
@@ -195,7 +198,7 @@ def quantize_mxfp4_rows(
     out: torch.Tensor | None = None,
     row_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """BF16ToFP4Row writing byte rows (the dispatch payload): each token as H/2 packed bytes followed
+    """quantize_mxfp4 writing byte rows (the dispatch payload): each token as H/2 packed bytes followed
     by its H/32 scale bytes (formats.pack_mxfp4_rows of formats.quantize_mxfp4).
 
     x: bfloat16/float32/float16 [T, H], H a multiple of 32.
@@ -266,7 +269,7 @@ def quantize_mxfp4_rows_multi(
     fp8_slots: torch.Tensor | None = None,
     fp8_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """BF16ToFP4Row to several destinations at once: each token is read and encoded once and its byte
+    """quantize_mxfp4_rows to several destinations at once: each token is read and encoded once and its byte
     row (quantize_mxfp4_rows' layout) stored into every destination that takes it. The expert-parallel
     dispatch uses it to write straight into every rank's receive buffer (peers' over NVLink).
 
@@ -397,7 +400,7 @@ def mxfp4_to_fp8_blockwise(
     split_lens: torch.Tensor | None = None,
     split_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP4RowToFP8Row: direct MXFP4 -> FP8 1x128 (formats.mxfp4_to_fp8_blockwise), no BF16 detour.
+    """Direct MXFP4 -> FP8 1x128 (formats.mxfp4_to_fp8_blockwise), no BF16 detour.
 
     packed uint8 [N, H/2], scales uint8 [N, H/32], H a multiple of 128.
     split_lens / split_offsets: optional ragged segments (see the module docstring); rows outside
@@ -432,7 +435,7 @@ def mxfp4_rows_to_fp8_cols(
     split_lens: torch.Tensor,
     split_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FP4RowToFP8Col: MXFP4 rows grouped by expert -> FP8 columns, one transposed block per expert
+    """MXFP4 rows grouped by expert -> FP8 columns, one transposed block per expert
     (formats.mxfp4_rows_to_fp8_cols: dequantize, transpose, requantize 1x128 along the tokens).
 
     packed uint8 [N, H/2], scales uint8 [N, H/32] (H a multiple of 128); split_lens int [E],
@@ -571,7 +574,7 @@ def nvfp4_rows_to_fp8_blockwise(rows: torch.Tensor, hidden: int) -> tuple[torch.
         raise ValueError(f"rows: expected {width} bytes per row for hidden {hidden}, got {rows.shape[1]}")
     if rows.shape[0] and rows.stride(1) != 1:
         raise ValueError(f"rows: expected a contiguous last dimension, got strides {rows.stride()}")
-    return _ops.call(_ops.nvfp4_rows_to_fp8_op, rows, hidden)
+    return _ops.call(_ops.nvfp4_rows_to_fp8_blockwise_op, rows, hidden)
 
 
 def mxfp4_rows_expand_fp8_blockwise(
@@ -579,7 +582,7 @@ def mxfp4_rows_expand_fp8_blockwise(
     out: tuple[torch.Tensor, torch.Tensor] | None = None, copy_to: torch.Tensor | None = None,
     copy_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP4RowToFP8Row fused with the expansion to expert rows: each byte row converted once and
+    """mxfp4_rows_to_fp8_blockwise fused with the expansion to expert rows: each byte row converted once and
     written to each of its output rows.
 
     rows: uint8 [n, H/2 + H/32] (formats.pack_mxfp4_rows layout, 4-byte aligned rows); hidden: H, a
@@ -628,12 +631,12 @@ def mxfp4_rows_expand_fp8_blockwise(
         if not isinstance(num_rows, int) or num_rows < 0:
             raise ValueError(f"num_rows: expected a non-negative int, got {num_rows!r}")
         if copy_to is None:
-            return _ops.call(_ops.mxfp4_rows_expand_fp8_op, rows, hidden, slots, num_rows)
+            return _ops.call(_ops.mxfp4_rows_expand_fp8_blockwise_op, rows, hidden, slots, num_rows)
         out = (torch.empty(num_rows, hidden, dtype=torch.float8_e4m3fn, device=rows.device),
                torch.zeros(num_rows, hidden // formats.FP8_GROUP, dtype=torch.float32, device=rows.device))
     data, scales = _fp8_pair(out, hidden, rows, "out")
     r = data.shape[0]
     if num_rows is not None and num_rows != r:
         raise ValueError(f"num_rows: {num_rows} does not match out's {r} rows")
-    _ops.call(_ops.mxfp4_rows_expand_fp8_into_op, rows, hidden, slots, data, scales, copy_to, copy_rows)
+    _ops.call(_ops.mxfp4_rows_expand_fp8_blockwise_into_op, rows, hidden, slots, data, scales, copy_to, copy_rows)
     return data, scales

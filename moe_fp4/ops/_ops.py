@@ -232,7 +232,7 @@ def mxfp4_to_fp8_blockwise_op(
     packed: torch.Tensor, scales: torch.Tensor, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(packed) and _word_rows(packed) and _word_rows(scales):
-        return _native.module().mxfp4_to_fp8_rows(packed, scales, split_lens, split_offsets)
+        return _native.module().mxfp4_to_fp8_blockwise(packed, scales, split_lens, split_offsets)
     return _spec_fp8_rows(packed, scales, split_lens, split_offsets)
 
 
@@ -254,7 +254,7 @@ def mxfp4_rows_to_fp8_blockwise_op(
     rows: torch.Tensor, hidden: int, split_lens: torch.Tensor | None, split_offsets: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(rows) and _word_rows(rows):
-        return _native.module().mxfp4_byte_rows_to_fp8_rows(rows, hidden, split_lens, split_offsets)
+        return _native.module().mxfp4_rows_to_fp8_blockwise(rows, hidden, split_lens, split_offsets)
     packed, scales = formats.unpack_mxfp4_rows(rows, hidden)
     return _spec_fp8_rows(packed, scales, split_lens, split_offsets)
 
@@ -479,7 +479,7 @@ def dequantize_mxfp4_op(packed: torch.Tensor, scales: torch.Tensor, dtype: torch
         and _native_for(packed)
         and _word_rows(packed)
     ):
-        return _native.module().dequantize_mxfp4_bf16(packed, scales)
+        return _native.module().dequantize_mxfp4(packed, scales)
     return formats.dequantize_mxfp4(packed, scales, dtype=dtype)
 
 
@@ -502,14 +502,14 @@ def _(x):
 
 
 @_custom_op("nvfp4_rows_to_fp8")
-def nvfp4_rows_to_fp8_op(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_rows_to_fp8_blockwise_op(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_rows(rows):
-        return _native.module().nvfp4_rows_to_fp8(rows, hidden)
+        return _native.module().nvfp4_rows_to_fp8_blockwise(rows, hidden)
     values = formats.dequantize_nvfp4_rows(*formats.unpack_nvfp4_rows(rows, hidden))
     return formats.quantize_fp8_blockwise(values, block=(1, formats.FP8_GROUP))
 
 
-@nvfp4_rows_to_fp8_op.register_fake
+@nvfp4_rows_to_fp8_blockwise_op.register_fake
 def _(rows, hidden):
     return (rows.new_empty((rows.shape[0], hidden), dtype=FP8),
             rows.new_empty((rows.shape[0], hidden // formats.FP8_GROUP), dtype=torch.float32))
@@ -534,26 +534,26 @@ def _native_rows(rows) -> bool:
     return _native_for(rows) and _word_rows(rows)
 
 
-@_custom_op("mxfp4_rows_expand_fp8")
-def mxfp4_rows_expand_fp8_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor,
+@_custom_op("mxfp4_rows_expand_fp8_blockwise")
+def mxfp4_rows_expand_fp8_blockwise_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor,
                              num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_rows(rows):
-        return _native.module().mxfp4_rows_expand_fp8(rows, hidden, slots, num_rows)
+        return _native.module().mxfp4_rows_expand_fp8_blockwise(rows, hidden, slots, num_rows)
     return _spec_expand_fp8_rows(rows, hidden, slots, num_rows)
 
 
-@mxfp4_rows_expand_fp8_op.register_fake
+@mxfp4_rows_expand_fp8_blockwise_op.register_fake
 def _(rows, hidden, slots, num_rows):
     return (rows.new_empty((num_rows, hidden), dtype=FP8),
             rows.new_empty((num_rows, hidden // formats.FP8_GROUP), dtype=torch.float32))
 
 
-@_custom_op("mxfp4_rows_expand_fp8_into", mutates_args=("out", "out_scales", "copy_to"))
-def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
+@_custom_op("mxfp4_rows_expand_fp8_blockwise_into", mutates_args=("out", "out_scales", "copy_to"))
+def mxfp4_rows_expand_fp8_blockwise_into_op(rows: torch.Tensor, hidden: int, slots: torch.Tensor, out: torch.Tensor,
                                   out_scales: torch.Tensor, copy_to: torch.Tensor | None,
                                   copy_rows: torch.Tensor | None) -> None:
     if _native_rows(rows) and (copy_to is None or _native_rows(copy_to)):
-        _native.module().mxfp4_rows_expand_fp8_into(rows, hidden, slots, out, out_scales, copy_to, copy_rows)
+        _native.module().mxfp4_rows_expand_fp8_blockwise_into(rows, hidden, slots, out, out_scales, copy_to, copy_rows)
         return
     _spec_expand_fp8_rows_into(rows, hidden, slots, out, out_scales)
     if copy_to is not None:  # the rows that name an output row, to their copy rows
@@ -565,6 +565,6 @@ def mxfp4_rows_expand_fp8_into_op(rows: torch.Tensor, hidden: int, slots: torch.
             copy_to[copy_rows[named]] = rows[named]
 
 
-@mxfp4_rows_expand_fp8_into_op.register_fake
+@mxfp4_rows_expand_fp8_blockwise_into_op.register_fake
 def _(rows, hidden, slots, out, out_scales, copy_to, copy_rows):
     return None

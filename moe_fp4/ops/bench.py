@@ -116,30 +116,30 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         fp4_bytes = t * h // 2 + t * h // 32
         fp8_bytes = t * h + t * h // 128 * 4
 
-        # BF16ToFP4Row
+        # quantize_mxfp4
         us = _median_us(lambda i: native.quantize_mxfp4(xs[i], True), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda x: formats.quantize_mxfp4(x), dynamic=False)
             extra["x_compile"] = _median_us(lambda i: spec(xs[i]), ns, reps) / us
-        add("BF16ToFP4Row quantize_mxfp4", shape, us, n_in + fp4_bytes, **extra)
+        add("quantize_mxfp4", shape, us, n_in + fp4_bytes, **extra)
 
         rowbufs = [torch.empty(t, formats.mxfp4_row_bytes(h), dtype=torch.uint8, device="cuda") for _ in range(ns)]
         us = _median_us(lambda i: native.quantize_mxfp4_rows_into(xs[i], True, rowbufs[i], None), ns, reps)
-        add("BF16ToFP4Row quantize_mxfp4_rows", shape, us, n_in + fp4_bytes)
+        add("quantize_mxfp4_rows", shape, us, n_in + fp4_bytes)
 
-        # FP4RowToFP8Row
-        us = _median_us(lambda i: native.mxfp4_to_fp8_rows(q[i][0], q[i][1], None, None), ns, reps)
+        # mxfp4_to_fp8_blockwise
+        us = _median_us(lambda i: native.mxfp4_to_fp8_blockwise(q[i][0], q[i][1], None, None), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda p, s: formats.mxfp4_to_fp8_blockwise(p, s), dynamic=False)
             extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, reps) / us
-        add("FP4RowToFP8Row mxfp4_to_fp8", shape, us, fp4_bytes + fp8_bytes, **extra)
+        add("mxfp4_to_fp8_blockwise", shape, us, fp4_bytes + fp8_bytes, **extra)
         rb = [formats.pack_mxfp4_rows(*qq) for qq in q]
-        us = _median_us(lambda i: native.mxfp4_byte_rows_to_fp8_rows(rb[i], h, None, None), ns, reps)
-        add("FP4RowToFP8Row from byte rows", shape, us, fp4_bytes + fp8_bytes)
+        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_blockwise(rb[i], h, None, None), ns, reps)
+        add("mxfp4_rows_to_fp8_blockwise (byte rows)", shape, us, fp4_bytes + fp8_bytes)
 
-        # FP4RowToFP8Col, 32 experts of equal length (multiples of 128)
+        # mxfp4_rows_to_fp8_cols, 32 experts of equal length (multiples of 128)
         experts = 32
         lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
         plan = _ops.column_plan(lens, None, t)  # (groups, two_pass, full_groups) as the public op chooses them
@@ -159,18 +159,18 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda p, s: formats.mxfp4_rows_to_fp8_cols(p, s, lens), dynamic=False)
             extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, max(10, reps // 3)) / us
-        add(f"FP4RowToFP8Col {experts} experts", shape, us, fp4_bytes + fp8_bytes, **extra)
+        add(f"mxfp4_rows_to_fp8_cols {experts} experts", shape, us, fp4_bytes + fp8_bytes, **extra)
         cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,))).values
         rlens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])])).cuda()
         rplan = _ops.column_plan(rlens, None, t)
         us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
-        add(f"FP4RowToFP8Col {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
+        add(f"mxfp4_rows_to_fp8_cols {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
         # the same cuts rounded down to 32 rows (segments padded as grouped FP8 GEMMs want them): one
         # pass with the host's group table, as the op runs it
         plens = torch.diff(torch.cat([torch.tensor([0]), cuts // 32 * 32, torch.tensor([t])])).cuda()
         launch = _ops.column_launch(plens, None, t)
         us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
-        add(f"FP4RowToFP8Col {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
+        add(f"mxfp4_rows_to_fp8_cols {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
         # segments at offsets on 32-row boundaries with gaps between them, as a receive buffer whose
         # experts start 32-row aligned: the ragged lengths less 31 rows, each placed at the next
         # multiple of 32 (the rows in the gaps and past the last segment come out zero)
@@ -179,7 +179,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                              0)[:-1]
         launch = _ops.column_launch(glens, goffs, t)
         us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
-        add(f"FP4RowToFP8Col {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
+        add(f"mxfp4_rows_to_fp8_cols {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
         # the rows of a real dispatch (a world of one: top-8 of 32 experts over t / 8 tokens), as a
         # wgrad operand: back to back (ragged, two passes) against expert_alignment=32 (every expert
         # at a multiple of 32 rows, zero rows between: one pass). Bytes: the rows read, every output
@@ -200,30 +200,30 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                     v[i][0], v[i][1], dl, do, *launch), ns, reps)
                 name = "back to back" if align == 1 else f"expert_alignment={align}"
                 nbytes = fp4_bytes + n_out * h + n_out * h // 128 * 4
-                add(f"FP4RowToFP8Col dispatch output, top-8 of {experts}, {name}", shape, us, nbytes)
+                add(f"mxfp4_rows_to_fp8_cols dispatch output, top-8 of {experts}, {name}", shape, us, nbytes)
                 # the public path per call, host time included: DispatchOutput.to_fp8_cols (host splits)
                 us = _call_us(lambda i, o=outs: o[i].to_fp8_cols(), ns, reps)
-                add(f"FP4RowToFP8Col op per call, dispatch output.to_fp8_cols(), {name}", shape, us, nbytes)
+                add(f"mxfp4_rows_to_fp8_cols op per call, dispatch output.to_fp8_cols(), {name}", shape, us, nbytes)
                 del outs, views
         # the public op per call, host time included (it reads the splits on the host): splits on the
         # device (the read waits for the device each call) against the same splits on the CPU
         for name, ls in ((f"{experts} experts", lens), (f"{experts} experts, 32-row starts", plens)):
             for where, split in (("device", ls), ("host", ls.cpu())):
                 us = _call_us(lambda i, split=split: ops.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], split), ns, reps)
-                add(f"FP4RowToFP8Col op per call, {name}, {where} splits", shape, us, fp4_bytes + fp8_bytes)
+                add(f"mxfp4_rows_to_fp8_cols op per call, {name}, {where} splits", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record
         for name, ls, (g, two, full) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
             us = _median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_rows_to_fp8_cols(
                 q[i][0], q[i][1], ls, None, g, not two, full), ns, reps)
-            add(f"FP4RowToFP8Col {name}, {'one' if two else 'two'}-pass", shape, us, fp4_bytes + fp8_bytes)
+            add(f"mxfp4_rows_to_fp8_cols {name}, {'one' if two else 'two'}-pass", shape, us, fp4_bytes + fp8_bytes)
 
         # MXFP4 -> BF16
-        us = _median_us(lambda i: native.dequantize_mxfp4_bf16(q[i][0], q[i][1]), ns, reps)
+        us = _median_us(lambda i: native.dequantize_mxfp4(q[i][0], q[i][1]), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda p, s: formats.dequantize_mxfp4(p, s, dtype=torch.bfloat16), dynamic=False)
             extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, reps) / us
-        add("MXFP4->BF16 dequantize_mxfp4", shape, us, fp4_bytes + n_in, **extra)
+        add("dequantize_mxfp4 (bfloat16)", shape, us, fp4_bytes + n_in, **extra)
 
         # BF16 -> FP8 1x128
         us = _median_us(lambda i: native.quantize_fp8_blockwise(xs[i]), ns, reps)
@@ -231,7 +231,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda x: formats.quantize_fp8_blockwise(x, block=(1, 128)), dynamic=False)
             extra["x_compile"] = _median_us(lambda i: spec(xs[i]), ns, reps) / us
-        add("BF16->FP8 1x128", shape, us, n_in + t * h + t * h // 128 * 4, **extra)
+        add("quantize_fp8_blockwise", shape, us, n_in + t * h + t * h // 128 * 4, **extra)
 
     for t in tokens:
         bench_shape(t)
