@@ -588,12 +588,13 @@ def test_mxfp4_rows_to_fp8_cols_full_groups(h):
 
 
 @pytest.mark.parametrize("t,h", [(4096, 7168), (1000 + 37, 384)])
-def test_mxfp4_rows_to_fp8_cols_box_and_thread_stores(t, h, monkeypatch):
+def test_mxfp4_rows_to_fp8_cols_box_and_thread_stores(t, h):
     """The one-pass kernel stores a whole 128-row tile (or the input's last rows) starting on a 16-row
     boundary with one tensor copy, other tiles by the threads' 16-byte stores. The spec's bits either
-    way: with the copies (MOE_FP4_COLUMN_BOX_STORE unset), and with every tile stored by the threads
-    (=0), on segments whose groups mix both kinds (full groups, short last groups of each segment,
-    groups starting at 16 mod 32 rows, the input's last rows) and on full groups only."""
+    way: with the copies (box_store=True, the default unless MOE_FP4_COLUMN_BOX_STORE=0), and with every
+    tile stored by the threads (box_store=False), on segments whose groups mix both kinds (full groups,
+    short last groups of each segment, groups starting at 16 mod 32 rows, the input's last rows) and on
+    full groups only."""
     packed, scales = _mxfp4_input(t, h)
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     mixed = (torch.randint(0, t // 16 // 12 + 1, (12,), generator=gen) * 16).tolist()
@@ -606,14 +607,11 @@ def test_mxfp4_rows_to_fp8_cols_box_and_thread_stores(t, h, monkeypatch):
         groups, two_pass, full_groups = _ops.column_plan(lens, None, t)
         assert not two_pass
         want = formats.mxfp4_rows_to_fp8_cols(packed, scales, lens, None)
-        for env in (None, "0"):
-            if env is None:
-                monkeypatch.delenv("MOE_FP4_COLUMN_BOX_STORE", raising=False)
-            else:
-                monkeypatch.setenv("MOE_FP4_COLUMN_BOX_STORE", env)
+        for box_store in (True, False):
             _dirty_cache(4 * t * h)
-            got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, full_groups)
-            _equal(got, want, (f"data box_store={env}", "scales", "group_offsets"))
+            got = native.mxfp4_rows_to_fp8_cols(packed, scales, lens, None, groups, False, full_groups,
+                                                box_store=box_store)
+            _equal(got, want, (f"data box_store={box_store}", "scales", "group_offsets"))
 
 
 def test_mxfp4_rows_to_fp8_cols_group_table():

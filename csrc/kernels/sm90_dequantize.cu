@@ -3,6 +3,7 @@
 // bf16 bits of a code's value come from a byte permute over per-block tables of the 8 exact products
 // (E2M1 value times the block scale); a NaN block (scale byte 0xFF) takes the spec's own arithmetic.
 #include "sm90_common.cuh"
+#include "sm90_device_queries.h"
 #include "sm90_launchers.h"
 
 #include <cuda_bf16.h>
@@ -58,10 +59,7 @@ __global__ void __launch_bounds__(kThreads) sm90_dequantize_mxfp4_kernel(const D
 
 cudaError_t launch_dequantize_mxfp4(const DequantizeMxfp4Params& p, cudaStream_t stream) {
   if (p.rows <= 0 || p.hidden <= 0) return cudaSuccess;
-  int device = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, sm90_dequantize_mxfp4_kernel, kThreads, 0);
+  const int sms = sm_count(), per_sm = blocks_per_sm(sm90_dequantize_mxfp4_kernel, kThreads, 0);
   const long long need = (p.rows + kThreads / 32 - 1) / (kThreads / 32);
   const long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   sm90_dequantize_mxfp4_kernel<<<static_cast<int>(need < cap ? need : cap), kThreads, 0, stream>>>(p);

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "sm90_device_queries.h"
 #include "sm90_launchers.h"
 
 namespace moe_fp4 {
@@ -393,11 +394,8 @@ cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream) {
   if (tiles > INT32_MAX) return cudaErrorInvalidValue;
   const long long smem = send_tile_width(p.num_experts, p.world_size, p.topk) * sizeof(int);
   if (tiles > 0) {
-    if (smem > 48 * 1024) {
-      const cudaError_t err = cudaFuncSetAttribute(sm90_send_layout_count_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   static_cast<int>(smem));
-      if (err != cudaSuccess) return err;
-    }
+    const cudaError_t err = allow_dynamic_smem(sm90_send_layout_count_kernel, static_cast<size_t>(smem));
+    if (err != cudaSuccess) return err;
     sm90_send_layout_count_kernel<<<static_cast<unsigned>(tiles), kSendThreads, smem, stream>>>(p);
   }
   const int blocks = static_cast<int>(tiles > p.world_size ? tiles : p.world_size);
@@ -413,11 +411,8 @@ cudaError_t launch_expand_layout(const ExpandLayoutParams& p, cudaStream_t strea
   if (tiles > 0)
     sm90_expand_layout_count_kernel<<<static_cast<unsigned>(tiles), kExpandThreads, p.num_local * sizeof(int), stream>>>(p);
   const long long smem = p.num_local * (sizeof(long long) + kExpandWarps * sizeof(int));
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(sm90_expand_layout_order_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                 static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = allow_dynamic_smem(sm90_expand_layout_order_kernel, static_cast<size_t>(smem));
+  if (err != cudaSuccess) return err;
   const unsigned blocks = static_cast<unsigned>(tiles > 0 ? tiles : 1);
   sm90_expand_layout_order_kernel<<<blocks, kExpandThreads, smem, stream>>>(p, static_cast<int>(tiles));
   return cudaGetLastError();

@@ -130,6 +130,10 @@ struct Mxfp4RowsToFp8ColsParams {
   bool full_groups;            // the caller knows the segments are back to back from row 0 with lengths that
                                // are multiples of 128: group g is rows [128 g, 128 g + 128), so the one-pass
                                // kernel may load them before its look-up (checked against it afterwards)
+  bool box_store;              // the one-pass kernel stores a tile of 128 rows (or the input's last rows)
+                               // starting on a 16-row boundary by one tensor copy; false: every tile by
+                               // the threads' 16-byte stores (for compute-sanitizer's initcheck, which
+                               // does not see the copy engine's writes)
 };
 constexpr int kMaxColumnGroupHints = 1024;
 // Each scale group's first row and row count, expert by expert (FP8 groups of 128 rows from each

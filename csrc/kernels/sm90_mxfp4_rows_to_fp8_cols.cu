@@ -11,6 +11,7 @@
 //     converts each row with its group's record and writes whole aligned 16-byte pieces of the output
 //     that no other CTA touches, whatever the segment boundaries. See the kernels' comments.
 #include "sm90_common.cuh"
+#include "sm90_device_queries.h"
 #include "sm90_divide.cuh"
 #include "sm90_launchers.h"
 
@@ -18,7 +19,6 @@
 #include <cudaTypedefs.h>
 
 #include <climits>
-#include <cstdlib>
 
 namespace moe_fp4 {
 namespace {
@@ -1084,14 +1084,10 @@ __global__ void __launch_bounds__(kThreads, kVec4 ? 4 : 2)
 
 // The tensor map of the one-pass kernel's tile stores: the output [H, N] (row stride out_stride) viewed as
 // [8 (c % 8)][H / 8 (c / 8)][N bytes], boxes of [8][32][128] with the 128-byte swizzle (tile_slot<true>).
-// False (the threads store the tiles) without the driver's encoder, for an output the map cannot
-// describe (not 16-byte aligned), or with MOE_FP4_COLUMN_BOX_STORE=0 in the environment (for
-// compute-sanitizer's initcheck, which does not see the copy engine's writes and reports every byte of
-// them as uninitialized when read). Read at each launch, not cached: a process may switch it, as the
-// GPU test that checks both store paths against the spec does; a getenv is small beside the launch.
+// False (the threads store the tiles) without p.box_store, without the driver's encoder, or for an
+// output the map cannot describe (not 16-byte aligned).
 bool output_box_map(const Mxfp4RowsToFp8ColsParams& p, CUtensorMap& map) {
-  const char* env = std::getenv("MOE_FP4_COLUMN_BOX_STORE");
-  if (env != nullptr && env[0] == '0' && env[1] == '\0') return false;
+  if (!p.box_store) return false;
   static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -1182,11 +1178,8 @@ cudaError_t launch_mxfp4_rows_to_fp8_cols(const Mxfp4RowsToFp8ColsParams& p, cud
     CUtensorMap out_box{};
     const bool box_store = output_box_map(p, out_box);
     auto launch = [&](auto kernel) -> cudaError_t {
-      const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kTileSmem);
-      if (err != cudaSuccess) {
-        (void)cudaGetLastError();  // returned to the caller, not left behind for the next launch check
-        return err;
-      }
+      const cudaError_t err = allow_dynamic_smem(kernel, kTileSmem);
+      if (err != cudaSuccess) return err;
       kernel<<<static_cast<unsigned>(blocks), kThreads, kTileSmem, stream>>>(
           p, make_div_u32(static_cast<uint32_t>(p.num_groups > 0 ? p.num_groups : 1)), hints, out_box, box_store);
       return cudaGetLastError();

@@ -13,6 +13,7 @@
 // Every quotient is the IEEE float32 one (a float32 division of float32 operands equals the spec's
 // float64 division rounded to float32); the elements get it from the block's reciprocal and two FMAs.
 #include "sm90_common.cuh"
+#include "sm90_device_queries.h"
 #include "sm90_launchers.h"
 
 namespace moe_fp4 {
@@ -188,9 +189,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_nvfp4_rows_kernel(cons
 
 template <FloatInput kType>
 cudaError_t launch_typed(const QuantizeNvfp4RowsParams& p, cudaStream_t stream) {
-  int device = 0, sms = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int sms = sm_count();
   const long long row_blocks = (p.tokens + kWarps - 1) / kWarps;
   const long long amax_blocks = row_blocks < 8LL * sms ? row_blocks : 8LL * sms;
   sm90_quantize_nvfp4_rows_amax_kernel<kType><<<static_cast<unsigned>(amax_blocks), kThreads, 0, stream>>>(p);

@@ -5,6 +5,7 @@
 // bfloat16 rows to MXFP4 take 16 elements per lane and encode E2M1 in integer space, two elements per
 // instruction; float32/float16 rows take 8 per lane.
 #include "sm90_common.cuh"
+#include "sm90_device_queries.h"
 #include "sm90_launchers.h"
 #include "sm90_mxfp4_expand.cuh"
 
@@ -482,10 +483,7 @@ __global__ void __launch_bounds__(kThreads) sm90_scatter_rows_kernel(const Scatt
 // rows need (one warp per row), and no more than max_blocks when it is positive.
 template <typename Kernel>
 int grid_for_rows(Kernel kernel, long long rows, size_t smem = 0, int max_blocks = 0) {
-  int device = 0, sms = 0, per_sm = 0;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem);
+  const int sms = sm_count(), per_sm = blocks_per_sm(kernel, kThreads, smem);
   const long long need = (rows + kThreads / 32 - 1) / (kThreads / 32);
   long long cap = static_cast<long long>(sms > 0 ? sms : 1) * (per_sm > 0 ? per_sm : 1);
   if (max_blocks > 0 && cap > max_blocks) cap = max_blocks;
@@ -503,13 +501,8 @@ cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long l
   for (int d = 0; d < q.dests.num; ++d) bulk = bulk && (reinterpret_cast<uintptr_t>(q.dests.base[d]) & 15) == 0;
   q.dests.staged_per_warp = bulk ? ((kThreads / 32) * 2 * pitch <= 100 * 1024 ? 2 : 1) : 0;
   const size_t smem = (kThreads / 32) * pitch * (q.dests.staged_per_warp > 1 ? 2 : 1);
-  if (smem > 48 * 1024) {  // above the default dynamic limit: raise it (fails past the device's)
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) {
-      (void)cudaGetLastError();  // returned to the caller, not left behind for the next launch check
-      return err;
-    }
-  }
+  const cudaError_t err = allow_dynamic_smem(kernel, smem);  // fails past the device's limit
+  if (err != cudaSuccess) return err;
   kernel<<<grid_for_rows(kernel, rows, smem, q.dests.max_blocks), kThreads, smem, stream>>>(q);
   return cudaSuccess;
 }
@@ -525,12 +518,7 @@ int grid_one_per_warp(long long units) {
 }  // namespace
 
 long long max_staged_row_bytes() {
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
+  const int optin = device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>();
   constexpr long long kReserve = 256;  // the kernels' static shared memory (at most 160 bytes today)
   const long long per_row = (static_cast<long long>(optin) - kReserve) / (kThreads / 32);
   return per_row > 0 ? per_row / 16 * 16 : 0;

@@ -11,6 +11,7 @@
 // (rounded up, no saturation), elements times the exact inverse power of two, E4M3 round to nearest
 // even; a group holding NaN or Inf is zeros with a NaN scale.
 #include "sm90_common.cuh"
+#include "sm90_device_queries.h"
 #include "sm90_launchers.h"
 
 namespace moe_fp4 {
@@ -182,10 +183,8 @@ cudaError_t launch_2d(const QuantizeFp8TwoAxisParams& p, dim3 grid, cudaStream_t
   auto kernel = sm90_quantize_fp8_2d_kernel<E, kTiles>;
   const size_t smem = sizeof(E) * kTile * kTile + sizeof(uint32_t) * (kParts * kTile + kTileThreads / 32) +
                       size_t(kTile) * kStagePitch;
-  if (smem > 48 * 1024) {
-    const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (err != cudaSuccess) return err;
-  }
+  const cudaError_t err = allow_dynamic_smem(kernel, smem);
+  if (err != cudaSuccess) return err;
   kernel<<<grid, kTileThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }

@@ -8,7 +8,9 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -384,6 +386,15 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_rows_to_fp8_blockwise(const Tensor& row
                          split_lens, split_offsets);
 }
 
+// MOE_FP4_COLUMN_BOX_STORE, read once per process: 0 turns the column op's tensor-copy stores off.
+bool column_box_store_default() {
+  static const bool value = [] {
+    const char* env = std::getenv("MOE_FP4_COLUMN_BOX_STORE");
+    return env == nullptr || std::string(env) != "0";
+  }();
+  return value;
+}
+
 // A CPU int64 [2, E] tensor of segment lengths and first rows, contiguous.
 Tensor checked_host_splits(const Tensor& splits) {
   TORCH_CHECK(splits.device().is_cpu() && splits.scalar_type() == at::kLong && splits.dim() == 2 && splits.size(0) == 2,
@@ -415,12 +426,15 @@ Tensor column_group_table(const Tensor& host_splits) {
 // full_groups: the segments are back to back from row 0 with lengths that are multiples of 128;
 // host_splits (CPU int64 [2, E], optional): the segments' lengths and first rows as the caller read
 // them; the launcher derives each scale group's rows from them, so that the one-pass kernel loads a
-// group's rows before its own look-up (checked against it: wrong splits cost time, not bytes).
+// group's rows before its own look-up (checked against it: wrong splits cost time, not bytes);
+// box_store: tiles stored by tensor copies (see Mxfp4RowsToFp8ColsParams), None: the process's
+// MOE_FP4_COLUMN_BOX_STORE (unset or anything but 0: true).
 std::tuple<Tensor, Tensor, Tensor> mxfp4_rows_to_fp8_cols(const Tensor& packed, const Tensor& scales,
-                                                     const Tensor& split_lens,
-                                                     const std::optional<Tensor>& split_offsets,
-                                                     int64_t num_groups, bool two_pass, bool full_groups,
-                                                     const std::optional<Tensor>& host_splits) {
+                                                          const Tensor& split_lens,
+                                                          const std::optional<Tensor>& split_offsets,
+                                                          int64_t num_groups, bool two_pass, bool full_groups,
+                                                          const std::optional<Tensor>& host_splits,
+                                                          std::optional<bool> box_store) {
   check_packed_scales(packed, scales);
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
@@ -459,6 +473,7 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_rows_to_fp8_cols(const Tensor& packed, 
   p.hidden = checked_hidden(h, "packed");
   p.num_groups = num_groups;
   p.full_groups = full_groups;
+  p.box_store = box_store.has_value() ? *box_store : column_box_store_default();
   Tensor splits_host;
   if (host_splits.has_value()) {
     splits_host = checked_host_splits(*host_splits);
@@ -815,7 +830,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("hidden"), py::arg("split_lens"), py::arg("split_offsets"));
   m.def("mxfp4_rows_to_fp8_cols", &mxfp4_rows_to_fp8_cols, "MXFP4 rows -> FP8 columns per expert", py::arg("packed"),
         py::arg("scales"), py::arg("split_lens"), py::arg("split_offsets"), py::arg("num_groups"),
-        py::arg("two_pass"), py::arg("full_groups") = false, py::arg("host_splits") = py::none());
+        py::arg("two_pass"), py::arg("full_groups") = false, py::arg("host_splits") = py::none(),
+        py::arg("box_store") = py::none());
   m.def("column_group_table", &column_group_table,
         "The scale groups (first row, row count) that the column op's launcher derives from host splits",
         py::arg("host_splits"));

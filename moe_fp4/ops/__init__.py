@@ -46,8 +46,10 @@ Environment variables:
   MOE_FP4_PUSH_BULK      0 (default): the multi-destination quantizers write rows with the warps'
                          16-byte stores; 1: with the bulk copy engine where addresses allow it
   MOE_FP4_COLUMN_BOX_STORE  unset (default): the one-pass column kernel writes each whole 128-row
-                         tile by one tensor copy; 0: every tile by the threads' 16-byte stores (read
-                         at each launch; for compute-sanitizer's initcheck, blind to the copy engine)
+                         tile by one tensor copy; 0: every tile by the threads' 16-byte stores (for
+                         compute-sanitizer's initcheck, blind to the copy engine)
+Each is read once per process: MOE_FP4_PUSH_BULK at import, MOE_FP4_NATIVE and MOE_FP4_COLUMN_BOX_STORE
+at their first use, the build variables when the extension is built.
 
 Ragged segments (``split_lens`` / ``split_offsets``, int32 or int64 [E] on the input's device): rows
 [offsets[e], offsets[e] + lens[e]) belong to expert e; offsets None means back to back from row 0.
@@ -348,9 +350,12 @@ def _max_blocks(max_blocks):
     return max_blocks
 
 
+_PUSH_BULK = os.environ.get("MOE_FP4_PUSH_BULK", "0") == "1"  # read once per process
+
+
 def _bulk(bulk_stores):
     if bulk_stores is None:
-        return os.environ.get("MOE_FP4_PUSH_BULK", "0") == "1"
+        return _PUSH_BULK
     if not isinstance(bulk_stores, bool):
         raise ValueError(f"bulk_stores: expected True, False or None, got {bulk_stores!r}")
     return bulk_stores

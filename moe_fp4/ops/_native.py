@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -109,10 +110,16 @@ def build(verbose: bool = False):
         return module
 
 
+@functools.cache
+def _mode() -> str:
+    """MOE_FP4_NATIVE, read once per process (available() runs at every op call)."""
+    return os.environ.get("MOE_FP4_NATIVE", "auto")
+
+
 def available() -> bool:
     """Whether the native ops are usable here: builds the extension on first call (MOE_FP4_NATIVE=0
     turns them off; MOE_FP4_NATIVE=1 makes a failed build an error instead of a warning)."""
-    mode = os.environ.get("MOE_FP4_NATIVE", "auto")
+    mode = _mode()
     if mode == "0":
         return False
     if _state["module"] is not None:
