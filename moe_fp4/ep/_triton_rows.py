@@ -11,6 +11,9 @@ where Triton is installed, in its CPU interpreter).
 ``src_rank[i]``'s staging buffer, whose address is ``bases[src_rank[i]]`` (symmetric memory: peers'
 buffers are addressable from this GPU over NVLink).
 
+Each launcher takes ``num_sms``, the SM budget (moe_fp4.ep.sms): the kernels loop over their work,
+so a bounded grid gives the same bits.
+
 MOE_FP4_EP_TRITON=0 turns these kernels off (the torch paths run instead).
 
 The conversion, per 128-element group with UE8M0 block scales e_0..e_3 and emax = max(e_i): the FP32
@@ -35,6 +38,7 @@ except Exception:  # no Triton (CPU machines): the torch paths are used
     triton = None
 
 from moe_fp4 import formats
+from moe_fp4.ep import sms
 
 
 def available(t: torch.Tensor) -> bool:
@@ -77,42 +81,49 @@ if triton is not None:
         bits = tl.where(nan, 0x7FC00000, bits)
         return pair, bits, off3, mask3, gmask
 
+    # Every kernel loops over its work items (a row and a block of columns: item = row * col_blocks +
+    # block): program p takes items p, p + grid, ..., so a grid bounded by the SM budget
+    # (moe_fp4.ep.sms) gives the same bits as one program per item (the default).
+
     @triton.jit
     def _mxfp4_to_fp8_gather_kernel(rows_ptr, index_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups, HALF,
-                                    GROUPS: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-        src = tl.load(index_ptr + i)
-        pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + src * row_stride, g, n_groups, lut_ptr, HALF)
-        tl.store(data_ptr + i * HALF + off3, pair, mask=mask3)
-        tl.store(scales_ptr + i * n_groups + g, bits, mask=gmask)
+                                    n, col_blocks, GROUPS: tl.constexpr):
+        for item in range(tl.program_id(0), n * col_blocks, tl.num_programs(0)):
+            i = (item // col_blocks).to(tl.int64)
+            g = (item % col_blocks) * GROUPS + tl.arange(0, GROUPS)
+            src = tl.load(index_ptr + i)
+            pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + src * row_stride, g, n_groups, lut_ptr, HALF)
+            tl.store(data_ptr + i * HALF + off3, pair, mask=mask3)
+            tl.store(scales_ptr + i * n_groups + g, bits, mask=gmask)
 
     @triton.jit
     def _mxfp4_to_fp8_scatter_kernel(rows_ptr, slot_ptr, lut_ptr, data_ptr, scales_ptr, row_stride, n_groups, HALF,
-                                     K: tl.constexpr, GROUPS: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
-        pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + t * row_stride, g, n_groups, lut_ptr, HALF)
-        for j in tl.static_range(K):  # converted once, written to each of the token's output rows
-            r = tl.load(slot_ptr + t * K + j)
-            if r >= 0:
-                tl.store(data_ptr + r * HALF + off3, pair, mask=mask3)
-                tl.store(scales_ptr + r * n_groups + g, bits, mask=gmask)
+                                     n, col_blocks, K: tl.constexpr, GROUPS: tl.constexpr):
+        for item in range(tl.program_id(0), n * col_blocks, tl.num_programs(0)):
+            t = (item // col_blocks).to(tl.int64)
+            g = (item % col_blocks) * GROUPS + tl.arange(0, GROUPS)
+            pair, bits, off3, mask3, gmask = _convert_groups(rows_ptr + t * row_stride, g, n_groups, lut_ptr, HALF)
+            for j in tl.static_range(K):  # converted once, written to each of the token's output rows
+                r = tl.load(slot_ptr + t * K + j)
+                if r >= 0:
+                    tl.store(data_ptr + r * HALF + off3, pair, mask=mask3)
+                    tl.store(scales_ptr + r * n_groups + g, bits, mask=gmask)
 
     @triton.jit
-    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, words,
+    def _copy_rows_kernel(out_ptr, out_addr, index_ptr, rank_ptr, bases_ptr, words, n, col_blocks,
                           WORD: tl.constexpr, BLOCK: tl.constexpr):
-        # one program per (row, BLOCK words): many small programs keep many loads in flight, which
-        # is what reads over NVLink need (a persistent kernel on a quarter of the SMs measured 1.6x
-        # slower on 2 H200s)
-        i = tl.program_id(0).to(tl.int64)
-        r = tl.load(rank_ptr + i)
-        # the source buffer as an offset from out, in words (both addresses are word-aligned)
-        rel = (tl.load(bases_ptr + r) - out_addr) // WORD + tl.load(index_ptr + i) * words
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < words
-        v = tl.load(out_ptr + rel + cols, mask=mask)
-        tl.store(out_ptr + i * words + cols, v, mask=mask)
+        # unbounded: one program per (row, BLOCK words): many small programs keep many loads in
+        # flight, which is what reads over NVLink need (a persistent kernel on a quarter of the SMs
+        # measured 1.6x slower on 2 H200s)
+        for item in range(tl.program_id(0), n * col_blocks, tl.num_programs(0)):
+            i = (item // col_blocks).to(tl.int64)
+            r = tl.load(rank_ptr + i)
+            # the source buffer as an offset from out, in words (both addresses are word-aligned)
+            rel = (tl.load(bases_ptr + r) - out_addr) // WORD + tl.load(index_ptr + i) * words
+            cols = (item % col_blocks) * BLOCK + tl.arange(0, BLOCK)
+            mask = cols < words
+            v = tl.load(out_ptr + rel + cols, mask=mask)
+            tl.store(out_ptr + i * words + cols, v, mask=mask)
 
 
 _LUT_ROWS = 20  # scale differences 0..19; from 19 on every E2M1 value rounds to zero in E4M3
@@ -151,12 +162,13 @@ _GROUPS = 8  # 128-element groups per program
 
 
 def mxfp4_rows_to_fp8_scatter(rows: torch.Tensor, hidden: int, slot_table: torch.Tensor,
-                              num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                              num_rows: int, *, num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4RowToFP8Row fused with the expansion to expert rows: rows uint8 [n, H/2 + H/32] (one per
     received token), slot_table int64 [n, K] (the output row of each (token, slot), -1: none; every
     output row named exactly once) -> (float8_e4m3fn [num_rows, H], float32 [num_rows, H/128]):
     output row slot_table[t, j] is ``formats.mxfp4_to_fp8_blockwise`` of rows[t], bit for bit. Each
-    token is converted once and written to each of its rows."""
+    token is converted once and written to each of its rows. num_sms: the SM budget (moe_fp4.ep.sms;
+    None: one program per (token, group block))."""
     _check_fp8_rows(rows, hidden)
     if slot_table.dtype != torch.int64 or slot_table.dim() != 2 or slot_table.shape[0] != rows.shape[0]:
         raise ValueError(f"slot_table: expected int64 [{rows.shape[0]}, K], got {slot_table.dtype} "
@@ -169,9 +181,11 @@ def mxfp4_rows_to_fp8_scatter(rows: torch.Tensor, hidden: int, slot_table: torch
 
         def launch(config):
             groups, warps = config
-            _mxfp4_to_fp8_scatter_kernel[(rows.shape[0], triton.cdiv(n_groups, groups))](
+            col_blocks = triton.cdiv(n_groups, groups)
+            work = rows.shape[0] * col_blocks
+            _mxfp4_to_fp8_scatter_kernel[(sms.grid(work, sms.max_programs(num_sms, rows.device, warps)),)](
                 rows, table, lut, data.view(torch.int16), scales, rows.stride(0), n_groups, hidden // 2,
-                K=table.shape[1], GROUPS=groups, num_warps=warps)
+                rows.shape[0], col_blocks, K=table.shape[1], GROUPS=groups, num_warps=warps)
 
         launch(_scatter_config(rows.device, hidden, table.shape[1], launch))
     return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
@@ -209,10 +223,12 @@ def _scatter_config(device, hidden: int, k: int, launch) -> tuple[int, int]:
     return _SCATTER_CHOICE[key]
 
 
-def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tensor, *,
+                             num_sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """rows uint8 [n, H/2 + H/32] (``formats.pack_mxfp4_rows`` layout, last dimension contiguous),
     hidden H (a multiple of 128), index int64 [N] rows to convert -> (float8_e4m3fn [N, H],
-    float32 [N, H/128]), bit for bit ``formats.mxfp4_to_fp8_blockwise`` of ``rows[index]``."""
+    float32 [N, H/128]), bit for bit ``formats.mxfp4_to_fp8_blockwise`` of ``rows[index]``.
+    num_sms: the SM budget (moe_fp4.ep.sms)."""
     _check_fp8_rows(rows, hidden)
     if index.dtype != torch.int64 or index.dim() != 1:
         raise ValueError(f"index: expected int64 [N], got {index.dtype} {tuple(index.shape)}")
@@ -221,16 +237,19 @@ def mxfp4_rows_to_fp8_gather(rows: torch.Tensor, hidden: int, index: torch.Tenso
     data = torch.empty(n, hidden, dtype=torch.uint8, device=rows.device)
     scales = torch.empty(n, n_groups, dtype=torch.int32, device=rows.device)
     if n:
-        grid = (n, triton.cdiv(n_groups, _GROUPS))
+        col_blocks = triton.cdiv(n_groups, _GROUPS)
+        grid = (sms.grid(n * col_blocks, sms.max_programs(num_sms, rows.device)),)
         _mxfp4_to_fp8_gather_kernel[grid](rows, index, shift_table(rows.device), data.view(torch.int16), scales,
-                                          rows.stride(0), n_groups, hidden // 2, GROUPS=_GROUPS, num_warps=4)
+                                          rows.stride(0), n_groups, hidden // 2, n, col_blocks, GROUPS=_GROUPS,
+                                          num_warps=sms.TRITON_WARPS)
     return data.view(torch.float8_e4m3fn), scales.view(torch.float32)
 
 
-def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, bases: torch.Tensor, *,
+              num_sms: int | None = None) -> torch.Tensor:
     """out uint8 [N, B] (contiguous) <- row index[i] (int64 [N]) of the buffer of rank src_rank[i]
     (int64 [N]); bases int64 [W]: each rank's buffer address (rows of B bytes back to back). Rows
-    move as 4-byte words when B allows it, else as bytes."""
+    move as 4-byte words when B allows it, else as bytes. num_sms: the SM budget (moe_fp4.ep.sms)."""
     n, width = out.shape
     if out.dtype != torch.uint8 or not out.is_contiguous():
         raise ValueError(f"out: expected contiguous uint8 rows, got {out.dtype} {tuple(out.shape)}")
@@ -239,8 +258,10 @@ def copy_rows(out: torch.Tensor, index: torch.Tensor, src_rank: torch.Tensor, ba
     word = torch.int32 if width % 4 == 0 else torch.uint8
     words = width // word.itemsize
     block = min(1024, triton.next_power_of_2(words))
-    _copy_rows_kernel[(n, triton.cdiv(words, block))](out.view(word), out.data_ptr(), index, src_rank, bases, words,
-                                                      WORD=word.itemsize, BLOCK=block, num_warps=4)
+    col_blocks = triton.cdiv(words, block)
+    grid = (sms.grid(n * col_blocks, sms.max_programs(num_sms, out.device)),)
+    _copy_rows_kernel[grid](out.view(word), out.data_ptr(), index, src_rank, bases, words, n, col_blocks,
+                            WORD=word.itemsize, BLOCK=block, num_warps=sms.TRITON_WARPS)
     return out
 
 
