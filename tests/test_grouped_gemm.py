@@ -292,3 +292,23 @@ def test_triton_kernels_interpreted():
     res = subprocess.run([sys.executable, "-c", _KERNEL_CHECK % SEED], env=env, capture_output=True, text=True,
                          timeout=300)
     assert "@ok" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+def test_row_groups_matches_a_loop():
+    """moe_fp4.moe._deep_gemm.row_groups (each row's group, -1 outside: DeepGEMM's contiguous layout)
+    against a loop over the groups, with empty groups, gaps and rows past the last group."""
+    from moe_fp4.moe import _deep_gemm
+
+    gen = torch.Generator().manual_seed(SEED + 77)
+    lens = torch.randint(0, 300, (12,), generator=gen)
+    lens[[0, 5, 11]] = 0
+    offs, at = [], 0
+    for c in lens.tolist():
+        offs.append(at)
+        at += -(-c // 128) * 128 + 128 * int(torch.randint(0, 2, (1,), generator=gen))
+    rows = at + 37
+    want = torch.full((rows,), -1, dtype=torch.int32)
+    for e, (o, c) in enumerate(zip(offs, lens.tolist())):
+        want[o:o + c] = e
+    got = _deep_gemm.row_groups(torch.tensor(offs), lens, rows)
+    assert got.dtype == torch.int32 and torch.equal(got, want)

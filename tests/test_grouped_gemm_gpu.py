@@ -6,11 +6,22 @@ import pytest
 import torch
 
 from moe_fp4 import formats
-from moe_fp4.moe import grouped_gemm_fp8
+from moe_fp4.moe import _deep_gemm, grouped_gemm_fp8
 from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8_reference
 
 pytestmark = pytest.mark.gpu
 SEED = 3131
+
+
+@pytest.fixture(params=["triton", "deepgemm"])
+def engine(request, monkeypatch):
+    """The CUDA engine of grouped_gemm_fp8 for tile-aligned splits: the Triton kernel (DeepGEMM hidden)
+    or DeepGEMM (where it is installed: patches/deepgemm/build.sh)."""
+    if request.param == "triton":
+        monkeypatch.setattr(_deep_gemm, "module", lambda: None)
+    elif _deep_gemm.module() is None:
+        pytest.skip("deep_gemm is not installed (patches/deepgemm/build.sh builds it)")
+    return request.param
 
 
 def _case(lens, offsets, k, n, seed):
@@ -25,7 +36,7 @@ def _case(lens, offsets, k, n, seed):
 
 @pytest.mark.parametrize("k,n", [(7168, 4096), (2048, 7168), (256, 384)])
 @pytest.mark.parametrize("layout", ["ragged", "gapped"])
-def test_triton_grouped_gemm_matches_reference(k, n, layout):
+def test_grouped_gemm_matches_reference(k, n, layout, engine):
     lens = [300, 0, 129, 1, 1000, 64, 0, 257]
     if layout == "gapped":  # aligned starts with rows between the groups
         offsets, at = [], 0
@@ -51,13 +62,13 @@ def test_triton_grouped_gemm_matches_reference(k, n, layout):
     assert int(out[~covered].count_nonzero()) == 0
 
 
-def test_triton_grouped_gemm_no_host_sync():
+def test_grouped_gemm_no_host_sync(engine):
     a, a_s, w, w_s, offs, ls = _case([200, 0, 77], [0, 256, 256], 256, 256, SEED)
-    grouped_gemm_fp8(a, a_s, w, w_s, offs, ls, validate=False)  # compile
+    grouped_gemm_fp8(a, a_s, w, w_s, offs, ls, validate=False, tile_aligned=True)  # compile
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = grouped_gemm_fp8(a, a_s, w, w_s, offs, ls, validate=False)
+        out = grouped_gemm_fp8(a, a_s, w, w_s, offs, ls, validate=False, tile_aligned=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     ref = grouped_gemm_fp8_reference(a, a_s, w, w_s, offs, ls)
@@ -73,8 +84,9 @@ def _aligned(lens):
 
 
 @pytest.mark.parametrize("n,k", [(4096, 7168), (7168, 2048)])
-def test_triton_dgrad_matches_reference(n, k):
-    """dx = dy @ w_g (dgrad) through the transposed tiles of ops.quantize_fp8_tiles at DeepSeek-V3 shapes."""
+def test_dgrad_matches_reference(n, k, engine):
+    """dx = dy @ w_g (dgrad) through the transposed tiles of ops.quantize_fp8_tiles at DeepSeek-V3 shapes
+    (a strided view for the Triton kernel; DeepGEMM takes contiguous tiles, as Experts makes them)."""
     from moe_fp4 import ops
 
     lens = [300, 0, 129, 1000, 64, 257]
@@ -85,6 +97,8 @@ def test_triton_dgrad_matches_reference(n, k):
     data, scales, data_t = ops.quantize_fp8_tiles(w.reshape(g * n, k))
     w_t = data_t.view(k, g, n).permute(1, 0, 2)
     s_t = scales.view(g, n // 128, k // 128).transpose(1, 2)
+    if engine == "deepgemm":
+        w_t = w_t.contiguous()
     dy = torch.randn(m + 7, n, generator=gen).cuda()
     d8, ds = ops.quantize_fp8_blockwise(dy)
     offs, ls = torch.tensor(offsets).cuda(), torch.tensor(lens).cuda()

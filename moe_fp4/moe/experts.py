@@ -68,10 +68,10 @@ class _ExpertsFunction(torch.autograd.Function):
                 x8, xs = ops.quantize_fp8_blockwise(x)
         else:
             x8, xs = x_fp8
-        y1 = grouped_gemm_fp8(x8, xs, w1_8, w1_s, offs, lens, validate=False)
+        y1 = grouped_gemm_fp8(x8, xs, w1_8, w1_s, offs, lens, validate=False, tile_aligned=True)
         h = _swiglu(y1)
         h8, hs = ops.quantize_fp8_blockwise(h)
-        y = grouped_gemm_fp8(h8, hs, w2_8, w2_s, offs, lens, validate=False)
+        y = grouped_gemm_fp8(h8, hs, w2_8, w2_s, offs, lens, validate=False, tile_aligned=True)
 
         if save == "mxfp4":
             packed, scales = x_mxfp4 if x_mxfp4 is not None else ops.quantize_mxfp4(x)
@@ -107,16 +107,18 @@ class _ExpertsFunction(torch.autograd.Function):
         elif save == "bf16":
             y1 = saved_y1[0]
         else:
-            y1 = grouped_gemm_fp8(saved_x[0], saved_x[1], w1_8, w1_s, offs, lens, validate=False)
+            y1 = grouped_gemm_fp8(saved_x[0], saved_x[1], w1_8, w1_s, offs, lens, validate=False,
+                                  tile_aligned=True)
 
         dy8, dys, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy.to(torch.bfloat16))
         h_t, h_ts = _cols(_swiglu(y1))
         dw2 = grouped_gemm_fp8_wgrad(dy_t, dy_ts, h_t, h_ts, offs, lens, out_dtype=ctx.w_dtypes[1], validate=False)
-        dh = grouped_gemm_fp8(dy8, dys, w2_t, w2_ts, offs, lens, validate=False)
+        dh = grouped_gemm_fp8(dy8, dys, w2_t, w2_ts, offs, lens, validate=False, tile_aligned=True)
         dy1 = _swiglu_backward(dh, y1)
         del dh, y1
         d8, ds, d_t, d_ts = ops.quantize_fp8_rows_cols(dy1)
-        dx = grouped_gemm_fp8(d8, ds, w1_t, w1_ts, offs, lens, validate=False) if ctx.needs_input_grad[0] else None
+        dx = grouped_gemm_fp8(d8, ds, w1_t, w1_ts, offs, lens, validate=False, tile_aligned=True) \
+            if ctx.needs_input_grad[0] else None
 
         # the wgrad operand of the input: its FP8 columns
         x_base = None
@@ -193,7 +195,8 @@ class Experts(torch.nn.Module):
         """bfloat16 [M, H]: each expert's MLP on its rows of x (rows of no expert: zero).
 
         x: bfloat16/float32 [M, H], the expert rows (the gradient of the input flows to it);
-        split_offsets, split_lens: int64 [G] on x's device, every offset a multiple of 128;
+        split_offsets, split_lens: int64 [G] on x's device, every offset a multiple of 128, each
+          expert's rows at or after the previous expert's (a dispatch's expert-order layout);
         x_fp8: (float8_e4m3fn [M, H], float32 [M, H/128]), the FP8 1x128 of x when the caller has it
           (``DispatchOutput.to_fp8_blockwise()``): the GEMMs take it instead of quantizing x;
         x_mxfp4: (uint8 [M, H/2], uint8 [M, H/32]), the MXFP4 of x when the caller has it (the
@@ -218,10 +221,14 @@ class Experts(torch.nn.Module):
             _check_pair(x_mxfp4, "x_mxfp4", ((m, self.hidden // 2), torch.uint8),
                         ((m, self.hidden // 32), torch.uint8), x.device)
         if validate:  # (one host read of the splits: the GEMMs below then skip theirs)
-            for e, (o, end) in enumerate(group_bounds(split_offsets, split_lens, m)):
+            bounds = group_bounds(split_offsets, split_lens, m)
+            for e, (o, end) in enumerate(bounds):
                 if end > o and o % ALIGN:
                     raise ValueError(f"split_offsets: expert {e} starts at row {o}; every expert's rows must "
                                      f"start on a multiple of {ALIGN} (dispatch with expert_alignment={ALIGN})")
+                if e and o < bounds[e - 1][1]:
+                    raise ValueError(f"split_offsets: expert {e} starts at row {o}, before expert {e - 1} ends "
+                                     f"(row {bounds[e - 1][1]}); experts' rows must follow in expert order")
         return _ExpertsFunction.apply(x, self.w1, self.w2, split_offsets, split_lens, self.fp8_weights(), x_fp8,
                                       x_mxfp4, self.save)
 

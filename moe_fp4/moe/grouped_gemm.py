@@ -4,8 +4,9 @@ weights in FP8 128x128 blocks, BF16 out.
 ``grouped_gemm_fp8_reference`` is the reference: each group's operands dequantized through the spec
 (``formats.dequantize_fp8_blockwise``: E4M3 value times its power-of-two scale, exact in float32),
 one float32 matrix product per group, rounded to bfloat16; it reads the group boundaries on the
-host. ``grouped_gemm_fp8`` runs the Triton kernel of ``_triton_grouped_gemm`` on CUDA (tensor-core
-products per 128-wide K block, each scaled and added in float32), the reference elsewhere.
+host. ``grouped_gemm_fp8`` runs on CUDA DeepGEMM's grouped GEMM where it is installed and the splits
+fit it (``_deep_gemm``), else the Triton kernel of ``_triton_grouped_gemm`` (tensor-core products per
+128-wide K block, each scaled and added in float32); the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from moe_fp4 import formats
 from moe_fp4.formats._checks import check_multiple, check_tensor
-from moe_fp4.moe import _triton_grouped_gemm
+from moe_fp4.moe import _deep_gemm, _triton_grouped_gemm
 
 FP8 = torch.float8_e4m3fn
 BLOCK = formats.FP8_GROUP  # 128: the activations' 1x128 groups and the weights' 128x128 tiles
@@ -65,7 +66,8 @@ def group_bounds(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: in
 
 
 def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w_scales: torch.Tensor,
-                     split_offsets: torch.Tensor, split_lens: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+                     split_offsets: torch.Tensor, split_lens: torch.Tensor, *, validate: bool = True,
+                     tile_aligned: bool = False) -> torch.Tensor:
     """out[r] = a[r] @ w[g]^T for the rows r of group g: bfloat16 [M, N].
 
     a: float8_e4m3fn [M, K] with a_scales float32 [M, K/128] (power-of-two scales per 1x128 group,
@@ -80,11 +82,21 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w
       overlapping (one host synchronisation on a GPU); False skips that (a sync-free dispatch's
       splits, a CUDA graph): the CUDA kernel then keeps every access inside a, and the result for
       invalid splits is unspecified.
-    On CUDA with Triton: the Triton kernel (float32 sums per 128-wide K block, each scaled and added
-    in float32; within the FP8 tensor cores' accumulation of the reference); elsewhere the reference."""
+    tile_aligned: the caller guarantees that each group starts at or after the previous group's end
+      (empty groups too) and each non-empty group on a multiple of 128 rows (``Experts``' contract;
+      a dispatch with ``expert_alignment=128``); with validate=True it is read from the splits.
+    On CUDA: DeepGEMM's m-grouped FP8 GEMM when it is installed, the GPU is sm_90, a and w are
+    contiguous and the groups are tile-aligned (see ``moe_fp4.moe._deep_gemm``); else the Triton
+    kernel. Both sum per 128-wide K block in float32 and scale each block's sum in float32: within
+    the FP8 tensor cores' accumulation of the reference. Elsewhere the reference."""
     m, k, g, n = check_grouped_gemm_args(a, a_scales, w, w_scales, split_offsets, split_lens)
     if validate:
-        group_bounds(split_offsets, split_lens, m)
+        bounds = group_bounds(split_offsets, split_lens, m)
+        tile_aligned = all(lo % BLOCK == 0 for lo, hi in bounds if hi > lo) and all(
+            b[1] <= c[0] for b, c in zip(bounds, bounds[1:]))
+    if tile_aligned and a.is_cuda and _deep_gemm.usable(a, w):
+        return _deep_gemm.grouped_rows(a, a_scales, w, w_scales, split_offsets, split_lens,
+                                       _triton_grouped_gemm.zero_uncovered_rows)
     if _triton_grouped_gemm.available(a):
         if a.stride(1) != 1 or w.stride(2) != 1:
             bad = "a" if a.stride(1) != 1 else "w"
