@@ -9,7 +9,8 @@ the same total). Per GEMM:
   dgrad   dx = dy @ w_g (the same kernel on the transposed tiles)
   wgrad   dw_g = dy_g^T x_g (FP8 columns, one scale per 128 tokens of each column; float32 out):
           ``grouped_gemm_fp8_wgrad``
-Columns: moe_fp4 (the default path, Triton); torch FP8 rowwise (``torch._scaled_grouped_mm``, one
+Columns: moe_fp4 (``grouped_gemm_fp8``: DeepGEMM where installed, else the Triton kernel); Triton (the
+Triton rows kernel alone, fprop and dgrad); torch FP8 rowwise (``torch._scaled_grouped_mm``, one
 scale per row of each operand: a coarser scaling than ours, the fastest FP8 grouped GEMM in torch on
 Hopper; 128x128/1x128 block scales have none there); torch BF16 (``torch._grouped_mm``, BF16 out,
 wgrad included: it takes no float32 output for BF16 operands); DeepGEMM
@@ -34,6 +35,7 @@ import sys
 import torch
 
 from moe_fp4 import ops
+from moe_fp4.moe import _deep_gemm, _triton_grouped_gemm
 from moe_fp4.moe.experts import SAVE_POLICIES, Experts, _fp8_tiles
 from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8, grouped_gemm_fp8_wgrad
 
@@ -85,9 +87,10 @@ torch.cuda.synchronize()
 """
 
 
-def _deep_gemm(notes: set):
+def _probe_deep_gemm(notes: set):
     """deep_gemm when it imports and a small grouped GEMM runs in a child process (a crash there
-    must not end the benchmark), else None with the reason in notes."""
+    must not end the benchmark), else None with the reason in notes (and grouped_gemm_fp8 kept off
+    it for this run)."""
     import importlib.util
     import subprocess
 
@@ -98,6 +101,7 @@ def _deep_gemm(notes: set):
         tail = (res.stderr.strip().splitlines() or ["(no output)"])[-1][:120]
         notes.add(f"DeepGEMM: its grouped GEMM fails on a small probe call (exit code {res.returncode}: {tail}); "
                   "not compared")
+        _deep_gemm.disable()
         return None
     import deep_gemm
 
@@ -117,7 +121,8 @@ def _gemm_rows(m, g, kind, iters, dg, seed=0):
 
 
 def _projection(m, g, lens, n, k, iters, dg, seed):
-    """(op, (N, K) of the op, flop, [moe_fp4, torch FP8 rowwise, torch BF16, DeepGEMM] us, notes) of
+    """(op, (N, K) of the op, flop, [moe_fp4, its Triton kernel, torch FP8 rowwise, torch BF16, DeepGEMM]
+    us, notes) of
     the three GEMMs of one projection y = x @ w_g^T, w [G, n, k]."""
     dev = "cuda"
     offs = [sum(lens[:e]) for e in range(g)]
@@ -133,9 +138,13 @@ def _projection(m, g, lens, n, k, iters, dg, seed):
     x8, xs, xt, xts = ops.quantize_fp8_rows_cols(x)
     d8, ds, dt, dts = ops.quantize_fp8_rows_cols(dy)
     ours = {
-        "fprop": lambda: grouped_gemm_fp8(x8, xs, w8, ws, offs_t, lens_t, validate=False),
-        "dgrad": lambda: grouped_gemm_fp8(d8, ds, w8t, wst, offs_t, lens_t, validate=False),
+        "fprop": lambda: grouped_gemm_fp8(x8, xs, w8, ws, offs_t, lens_t, validate=False, tile_aligned=True),
+        "dgrad": lambda: grouped_gemm_fp8(d8, ds, w8t, wst, offs_t, lens_t, validate=False, tile_aligned=True),
         "wgrad": lambda: grouped_gemm_fp8_wgrad(dt, dts, xt, xts, offs_t, lens_t, validate=False),
+    }
+    triton = {
+        "fprop": lambda: _triton_grouped_gemm.grouped_rows(x8, xs, w8, ws, offs_t, lens_t),
+        "dgrad": lambda: _triton_grouped_gemm.grouped_rows(d8, ds, w8t, wst, offs_t, lens_t),
     }
     # torch: FP8 rowwise and BF16 on the same data (scales of one: the time does not depend on them)
     f8 = torch.float8_e4m3fn
@@ -183,8 +192,8 @@ def _projection(m, g, lens, n, k, iters, dg, seed):
     rows = []
     for op in ("fprop", "dgrad", "wgrad"):
         cells = []
-        for table, name in ((ours, "moe_fp4"), (rowwise, "torch FP8 rowwise"), (bf16, "torch BF16"),
-                            (deep, "DeepGEMM")):
+        for table, name in ((ours, "moe_fp4"), (triton, "Triton kernel"), (rowwise, "torch FP8 rowwise"),
+                            (bf16, "torch BF16"), (deep, "DeepGEMM")):
             t, err = _try(table[op], iters) if op in table else (None, "")
             if err:
                 notes.add(f"{name} {op}: {err}")
@@ -286,16 +295,19 @@ def main(argv: list[str] | None = None) -> int:
         print("bench gemm: needs a CUDA GPU (the FP8 grouped GEMMs run on the tensor cores)", file=sys.stderr)
         return 2
     notes: set[str] = set()
-    dg = _deep_gemm(notes)
+    dg = _probe_deep_gemm(notes)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     ceiling = _ceiling(args.iters)
     print(f"# bench gemm, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"DeepGEMM {'v' + getattr(dg, '__version__', '?') if dg else 'not compared'}, {stamp}")
     print(f"FP8 ceiling (dense torch._scaled_mm 8192^3, rowwise): {ceiling:.0f} TFLOP/s; medians of {args.iters}")
     print()
-    print("| split | G x M | GEMM | op | N x K | moe_fp4 us | TFLOP/s | % ceiling | torch FP8 rowwise us | "
-          "TFLOP/s | ours / rowwise | torch BF16 us | TFLOP/s | DeepGEMM us | TFLOP/s |")
-    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"moe_fp4 column: grouped_gemm_fp8 on {'DeepGEMM' if _deep_gemm.module() else 'its Triton kernel'} "
+          "(fprop, dgrad), its Triton kernel (wgrad); Triton column: the Triton rows kernel alone")
+    print()
+    print("| split | G x M | GEMM | op | N x K | moe_fp4 us | TFLOP/s | % ceiling | Triton us | TFLOP/s | "
+          "torch FP8 rowwise us | TFLOP/s | ours / rowwise | torch BF16 us | TFLOP/s | DeepGEMM us | TFLOP/s |")
+    print("|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     ratios = {op: [] for op in GOALS}
     for case in args.cases.split(","):
         g, m = (int(v) for v in case.split("x"))
@@ -304,14 +316,14 @@ def main(argv: list[str] | None = None) -> int:
             notes |= n
             for kind_, g_, m_, proj, op, shape, flop, cells in rows:
                 fmt = [(f"{t:.0f}", f"{flop / t / 1e6:.0f}") if t else ("-", "-") for t in cells]
-                ours, rw = cells[0], cells[1]
+                ours, rw = cells[0], cells[2]
                 ratio = f"{rw / ours:.2f}" if ours and rw else "-"
                 if ours and rw:
                     ratios[op].append(rw / ours)
                 share = f"{flop / ours / 1e6 / ceiling * 100:.0f}%" if ours else "-"
                 print(f"| {kind_} | {g_} x {m_} | {proj} | {op} | {shape[0]} x {shape[1]} | {fmt[0][0]} | "
-                      f"{fmt[0][1]} | {share} | {fmt[1][0]} | {fmt[1][1]} | {ratio} | {fmt[2][0]} | {fmt[2][1]} | "
-                      f"{fmt[3][0]} | {fmt[3][1]} |", flush=True)
+                      f"{fmt[0][1]} | {share} | {fmt[1][0]} | {fmt[1][1]} | {fmt[2][0]} | {fmt[2][1]} | {ratio} | "
+                      f"{fmt[3][0]} | {fmt[3][1]} | {fmt[4][0]} | {fmt[4][1]} |", flush=True)
     print()
     for op, goal in GOALS.items():
         if ratios[op]:
