@@ -28,8 +28,10 @@ BLOCK_M = 128  # with 8 warps: one 128 x 128 float32 accumulator and one block p
 BLOCK_N = 128  # one weight scale per program and K block
 BLOCK_K = 128
 ROWS_STAGES = 4
-WGRAD_STAGES = 3
 GROUP_M = 8
+# wgrad: 128 x 64 output tiles on one warp group (a 128 x 128 tile on two measured slower: the short
+# contraction per expert leaves the larger tile's store and prologue less amortised; results/gemm.md)
+WGRAD_BM, WGRAD_BN, WGRAD_WARPS, WGRAD_STAGES = 128, 64, 4, 4
 
 
 def available(t: torch.Tensor) -> bool:
@@ -206,11 +208,11 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
         a_scales = a_scales.t().contiguous().t()
     if b_scales.stride(0) != 1:
         b_scales = b_scales.t().contiguous().t()
-    n_blocks, k_blocks = n // BLOCK_M, kdim // BLOCK_N
+    n_blocks, k_blocks = n // WGRAD_BM, kdim // WGRAD_BN
     grid = (g * n_blocks * k_blocks,)
     _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, a_base, b_base,
                                 n, kdim, n_blocks, k_blocks, a.shape[1], b.shape[1],
                                 a.stride(0), a_scales.stride(0), a_scales.stride(1),
                                 b.stride(0), b_scales.stride(0), b_scales.stride(1),
-                                ACCUMULATE=accumulate, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=8,
-                                num_stages=WGRAD_STAGES)
+                                ACCUMULATE=accumulate, BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K,
+                                num_warps=WGRAD_WARPS, num_stages=WGRAD_STAGES)
