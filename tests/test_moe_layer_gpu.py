@@ -17,10 +17,14 @@ def test_layer_gpu_matches_cpu(policy):
     gen = torch.Generator().manual_seed(SEED)
     x = torch.randn(T, H, generator=gen)
     dy = torch.randn(T, H, generator=gen)
-    results = []
+    results, weights = [], None
     for dev in ("cpu", "cuda"):
         torch.manual_seed(SEED)
         layer = MoELayer(H, I, E, K, policy=policy, shared_intermediate=256, dtype=torch.float32, device=dev)
+        if weights is None:
+            weights = layer.state_dict()
+        else:  # the same weights on both devices (the CUDA generator draws other numbers)
+            layer.load_state_dict(weights)
         xx = x.detach().clone().to(dev).requires_grad_()
         y = layer(xx)
         y.float().backward(dy.to(dev))
