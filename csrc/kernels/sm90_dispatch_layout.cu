@@ -19,6 +19,7 @@ constexpr int kExpandPerWarp = 128;   // entries per warp: 4 rounds of 32, in en
                                       // warp chains: the rounds run one after the other)
 constexpr int kExpandRounds = kExpandPerWarp / 32;
 constexpr int kExpandTile = kExpandWarps * kExpandPerWarp;
+static_assert(kMaxExpandEntries <= INT32_MAX - 2LL * kExpandTile, "the entry indices are 32-bit");
 constexpr unsigned kFull = 0xFFFFFFFFu;
 
 __device__ __forceinline__ long long load_index(const void* p, bool is64, long long i) {
@@ -387,11 +388,7 @@ long long expand_layout_scratch_ints(long long tokens, int topk, int num_local) 
 }
 
 cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream) {
-  if (p.world_size < 1 || p.world_size > kMaxLayoutRanks || p.num_experts % p.world_size || p.topk < 1 ||
-      p.info_width < kInfoRanks + p.world_size + p.num_experts / p.world_size + p.topk)
-    return cudaErrorInvalidValue;
   const long long tiles = (p.tokens + kSendThreads - 1) / kSendThreads;
-  if (tiles > INT32_MAX) return cudaErrorInvalidValue;
   const long long smem = send_tile_width(p.num_experts, p.world_size, p.topk) * sizeof(int);
   if (tiles > 0) {
     const cudaError_t err = allow_dynamic_smem(sm90_send_layout_count_kernel, static_cast<size_t>(smem));
@@ -404,9 +401,6 @@ cudaError_t launch_send_layout(const SendLayoutParams& p, cudaStream_t stream) {
 }
 
 cudaError_t launch_expand_layout(const ExpandLayoutParams& p, cudaStream_t stream) {
-  if (p.topk < 1 || p.num_local < 1 || p.num_local > kMaxLayoutExperts || p.alignment < 1)
-    return cudaErrorInvalidValue;
-  if (p.tokens * p.topk > INT32_MAX - 2 * kExpandTile) return cudaErrorInvalidValue;  // 32-bit entry indices
   const long long tiles = (p.tokens * p.topk + kExpandTile - 1) / kExpandTile;
   if (tiles > 0)
     sm90_expand_layout_count_kernel<<<static_cast<unsigned>(tiles), kExpandThreads, p.num_local * sizeof(int), stream>>>(p);

@@ -1,6 +1,8 @@
 // Host launchers of the sm90_ conversion kernels. Raw device pointers and the caller's stream; no
 // torch. Each launcher enqueues its kernels on `stream`, never synchronizes, and returns the launch
 // status (cudaGetLastError). Shapes: T/N rows (tokens), H hidden size (elements per row).
+// The launchers do not validate their parameters: the caller (the binding, csrc/torch) checks every
+// value that could make a kernel read or write out of bounds, as the comments on the fields state.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -136,6 +138,15 @@ struct Mxfp4RowsToFp8ColsParams {
                                // does not see the copy engine's writes)
 };
 constexpr int kMaxColumnGroupHints = 1024;
+// The column kernels' tiles (128 rows of 256 hidden columns) and their 32-bit indices: rows, and the CTAs
+// of each pass (scale groups or 128-row windows, times 256-column chunks), all below 2^31.
+constexpr int kColumnTileRows = 128;
+constexpr int kColumnTileCols = 256;
+constexpr bool mxfp4_rows_to_fp8_cols_fits(long long rows, long long hidden, long long num_groups) {
+  const long long chunks = (hidden + kColumnTileCols - 1) / kColumnTileCols;
+  const long long windows = (rows + kColumnTileRows - 1) / kColumnTileRows;
+  return rows < (1LL << 31) && num_groups * chunks < (1LL << 31) && windows * chunks < (1LL << 31);
+}
 // Each scale group's first row and row count, expert by expert (FP8 groups of 128 rows from each
 // segment's first row; empty segments have none), from host arrays of num lengths and first rows:
 // emit(first, count) for each, in order; returns the number of groups.
@@ -325,6 +336,8 @@ struct ExpandLayoutParams {
   long long* rows_needed;        // int64 [1] (output, or nullptr): the rows the experts take, aligned
   int* scratch;                  // int32 [expand_layout_scratch_ints(n, k, L)]
 };
+// The (token, slot) entries n k the expand layout takes: its entry indices are 32-bit.
+constexpr long long kMaxExpandEntries = 2147483647LL - 2 * 1024;
 long long expand_layout_scratch_ints(long long tokens, int topk, int num_local);
 cudaError_t launch_expand_layout(const ExpandLayoutParams& p, cudaStream_t stream);
 

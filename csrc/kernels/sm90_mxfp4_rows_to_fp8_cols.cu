@@ -26,6 +26,7 @@ namespace {
 constexpr int kThreads = 256;
 
 constexpr int kTileRows = kFp8Group;  // tokens per tile: one FP8 scale group
+static_assert(kTileRows == kColumnTileRows, "mxfp4_rows_to_fp8_cols_fits counts these tiles");
 
 // Programmatic dependent launch: the two-pass path's kernels start while the previous one finishes.
 // A kernel launched with launch_dependent waits in grid_wait() until the previous kernel has
@@ -414,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 5)
 //      boundary: 4 full lines per warp instruction with 128 rows), else 16-byte pieces aligned in global
 //      memory, shifted out of the tile, with byte stores only at the group's two ends (the bytes around
 //      belong to the neighbouring groups).
-constexpr int kTileCols = 256;                              // hidden columns per CTA: 8 per lane
+constexpr int kTileCols = kColumnTileCols;                  // hidden columns per CTA: 8 per lane
 constexpr int kTileBytes = kTileCols * kTileRows;           // the E4M3 tile
 constexpr int kTileKeys = kTileBytes;                       // [8 warps][32 lanes] uint4 column keys
 constexpr int kTileInfo = kTileKeys + kColWarps * 32 * 16;  // [256] uint16: scale byte | all-zero << 8
@@ -1135,13 +1136,8 @@ cudaError_t launch_mxfp4_rows_to_fp8_cols(const Mxfp4RowsToFp8ColsParams& p, cud
   const bool empty = p.rows <= 0 || p.hidden <= 0;
   // Rows read as 4-byte words (else bytes: only one-row views with an odd stride reach here).
   const bool vec4 = ((p.packed_stride & 3) == 0) && ((reinterpret_cast<uintptr_t>(p.packed) & 3) == 0);
-  // Row numbers, group and CTA indices are 32-bit in the kernels.
   const long long chunks = (p.hidden + kTileCols - 1) / kTileCols;
   const long long windows = (p.rows + kTileRows - 1) / kTileRows;
-  if (!empty && (p.rows >= (1LL << 31) || p.num_groups * chunks >= (1LL << 31) || windows * chunks >= (1LL << 31) ||
-                 p.out_stride < p.rows)) {
-    return cudaErrorInvalidValue;
-  }
   // Two-pass path with offsets: every row's group starts at -1 (outside every segment); without
   // offsets the prepare kernel marks the rows past the segments.
   if (two_pass && !empty && p.segments.offsets != nullptr) {

@@ -262,10 +262,6 @@ __global__ void __launch_bounds__(kThreads) sm90_nvfp4_rows_to_fp8_blockwise_ker
 
 cudaError_t launch_nvfp4_rows_to_fp8_blockwise(const Nvfp4RowsToFp8BlockwiseParams& p, cudaStream_t stream) {
   if (p.tokens <= 0) return cudaSuccess;
-  if (p.hidden % kFp8Group != 0 || (reinterpret_cast<uintptr_t>(p.rows) & 3) != 0 ||
-      (p.tokens > 1 && (p.row_stride & 3) != 0)) {
-    return cudaErrorInvalidValue;
-  }
   const long long blocks = (p.tokens + kWarps - 1) / kWarps;
   sm90_nvfp4_rows_to_fp8_blockwise_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   return cudaGetLastError();

@@ -73,10 +73,7 @@ void check_float_rows(const Tensor& x, int64_t block) {
 moe_fp4::Segments segments_of(const std::optional<Tensor>& lens, const std::optional<Tensor>& offsets,
                               const Tensor& ref) {
   moe_fp4::Segments s;
-  if (!lens.has_value()) {
-    TORCH_CHECK(!offsets.has_value(), "split_offsets: given without split_lens");
-    return s;
-  }
+  if (!lens.has_value()) return s;  // (offsets without lengths: moe_fp4.ops refuses them)
   const Tensor& l = *lens;
   MOE_FP4_CHECK_SAME_DEVICE(l, ref, "split_lens");
   TORCH_CHECK(l.scalar_type() == at::kInt || l.scalar_type() == at::kLong,
@@ -439,6 +436,8 @@ std::tuple<Tensor, Tensor, Tensor> mxfp4_rows_to_fp8_cols(const Tensor& packed, 
   const int64_t n = packed.size(0), h = packed.size(1) * 2;
   TORCH_CHECK(h % 128 == 0, "packed: hidden size (", h, ") must be a multiple of 128 for FP8 1x128 outputs");
   TORCH_CHECK(num_groups >= 0, "num_groups: expected a non-negative count, got ", num_groups);
+  TORCH_CHECK(moe_fp4::mxfp4_rows_to_fp8_cols_fits(n, h, num_groups), "packed: ", n, " rows of ", h,
+              " elements in ", num_groups, " scale groups exceed the column kernels' 32-bit indices");
   check_word_rows(packed.data_ptr(), packed.stride(0), packed.size(0), "packed");
   check_word_rows(scales.data_ptr(), scales.stride(0), scales.size(0), "scales");
   const c10::cuda::CUDAGuard guard(packed.device());
@@ -588,7 +587,6 @@ void mxfp4_rows_expand_fp8_blockwise_into(const Tensor& rows, int64_t hidden, co
   check_word_rows(rows.data_ptr(), rows.stride(0), rows.size(0), "rows");
   check_slot_table(slots, rows, rows.size(0), "slots");
   check_fp8_rows_output(out, out_scales, rows, hidden, "out", "out_scales");
-  TORCH_CHECK(!copy_rows.has_value() || copy_to.has_value(), "copy_rows: needs copy_to");
   if (copy_to.has_value()) {
     const Tensor& c = *copy_to;
     MOE_FP4_CHECK_SAME_DEVICE(c, rows, "copy_to");
@@ -761,6 +759,8 @@ expand_layout(const Tensor& meta, int64_t topk, int64_t num_local, int64_t align
   TORCH_CHECK(alignment >= 1 && alignment <= INT_MAX, "alignment: expected a positive int, got ", alignment);
   TORCH_CHECK(num_rows >= 0 && num_gap >= 0, "num_rows, num_gap: expected non-negative ints");
   const int64_t n = meta.size(0);
+  TORCH_CHECK(n * topk <= moe_fp4::kMaxExpandEntries, "meta: ", n, " rows of ", topk,
+              " slots exceed the expand layout's 32-bit entry indices");
   const c10::cuda::CUDAGuard guard(meta.device());
   const auto opts = meta.options();
   const auto i64 = opts.dtype(at::kLong), f32 = opts.dtype(at::kFloat);
