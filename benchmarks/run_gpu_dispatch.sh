@@ -6,7 +6,8 @@
 #   bash benchmarks/run_gpu_dispatch.sh
 # Environment: TOKENS (tokens per rank, comma separated), FORMATS, BACKENDS, TIMING (host or device),
 # ITERS, HF=0 (skip the transformers tests), PROFILE=1, DEEPEP=1 (DeepEP's rows in the same run: a
-# deep_ep wheel built by patches/deepep/build.sh must be installed), and the *_S time limits of each step.
+# deep_ep wheel built by patches/deepep/build.sh must be installed), NUM_SMS (a second benchmark run
+# with that SM budget, e.g. 24: Buffer.set_num_sms), and the *_S time limits of each step.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -27,7 +28,7 @@ echo "build: $build_rc ($((SECONDS - t0)) s); $native"
 
 # the native row kernels of the dispatch (BF16ToFP4Row to one and to several destinations, row push, the
 # nvfp4 rows, the receive-side expansion to expert rows)
-timeout -s INT -k 10 "${KTESTS_S:-90}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter or nvfp4 or expand or routing or sync_free}" \
+timeout -s INT -k 10 "${KTESTS_S:-90}" python -m pytest -q -p no:cacheprovider -k "${KTESTS_K:-quantize_mxfp4_rows or rows_multi or scatter or nvfp4 or expand or routing or sync_free or num_sms}" \
   tests/test_kernels_gpu.py tests/test_nvfp4_rows.py tests/test_expand_rows.py tests/test_routing.py \
   tests/test_sync_free_gpu.py > "$OUT/tests_kernels.log" 2>&1
 ktests_rc=$?
@@ -48,10 +49,16 @@ if [ "${HF:-1}" = 1 ]; then
 fi
 
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} $([ "${DEEPEP:-0}" = 1 ] && echo --deepep) --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm,symm:pull}" --breakdown --out "$OUT/dispatch.md" \
+  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} $([ "${DEEPEP:-0}" = 1 ] && echo --deepep) --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm}" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"
+if [ -n "${NUM_SMS:-}" ]; then  # the same table under the SM budget (goal: mxfp4 link >= 85% at num_sms 24)
+  timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
+    ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} --num-sms "$NUM_SMS" --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" \
+    --backends "${BACKENDS:-nccl,symm}" --out "$OUT/dispatch_num_sms.md" > "$OUT/bench_num_sms.log" 2>&1
+  echo "bench num_sms=$NUM_SMS: rc=$? ($((SECONDS - t0)) s)"
+fi
 
 echo "================ summary ================"
 cat "$OUT/device.txt"
@@ -66,3 +73,7 @@ echo "--- hf multigpu tests (rc=$hf_rc) ---"
 [ -f "$OUT/tests_hf.log" ] && { grep -E "passed|failed|error|skipped" "$OUT/tests_hf.log" | tail -3; grep -E "^(FAILED|ERROR)" "$OUT/tests_hf.log" | head -10; }
 echo "--- bench (rc=$bench_rc) ---"
 if [ -s "$OUT/dispatch.md" ]; then cat "$OUT/dispatch.md"; else tail -30 "$OUT/bench.log"; fi
+if [ -n "${NUM_SMS:-}" ]; then
+  echo "--- bench with num_sms=$NUM_SMS ---"
+  if [ -s "$OUT/dispatch_num_sms.md" ]; then cat "$OUT/dispatch_num_sms.md"; else tail -30 "$OUT/bench_num_sms.log"; fi
+fi

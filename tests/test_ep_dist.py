@@ -674,7 +674,7 @@ def case_autograd_aligned(ctx, seed, alignment):
 def case_gather_path(ctx, seed):
     """Rows wider than the one-pass encode takes (or more ranks than it stores to) are encoded, then
     gathered by destination: the same received rows, synced and sync-free."""
-    from moe_fp4.ep import buffer as buffer_module
+    from moe_fp4.ep import backends as backends_module
 
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     for n, scenario in enumerate(("random", "empty_rank")):
@@ -683,11 +683,11 @@ def case_gather_path(ctx, seed):
         buf = Buffer(n_exp, ctx.group, payload="mxfp4")
         n_free = world * (max(t.shape[0] for t in xs) + 1)
         one_pass = [buf.dispatch(x, idx, w), buf.dispatch(x, idx, w, max_recv_tokens=n_free)]
-        saved, buffer_module.PUSH_ROW_BYTES = buffer_module.PUSH_ROW_BYTES, 0
+        saved, backends_module.PUSH_ROW_BYTES = backends_module.PUSH_ROW_BYTES, 0
         try:
             gathered = [buf.dispatch(x, idx, w), buf.dispatch(x, idx, w, max_recv_tokens=n_free)]
         finally:
-            buffer_module.PUSH_ROW_BYTES = saved
+            backends_module.PUSH_ROW_BYTES = saved
         for a, b in zip(one_pass, gathered):
             assert_bitwise_equal(b.rows, a.rows, f"gathered rows ({scenario})")
     return None

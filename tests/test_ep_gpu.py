@@ -29,9 +29,9 @@ from test_ep_dist import (
     spec_rows,
 )
 from test_ep_local import check_fused_conversion, spec_fp8_of_rows
-from test_sync_free_gpu import run_graph_case
+from test_sync_free_gpu import check_num_sms_same_bits, run_graph_case
 
-from moe_fp4.ep import Buffer
+from moe_fp4.ep import Buffer, make_backend
 
 pytestmark = pytest.mark.multigpu
 
@@ -114,24 +114,16 @@ def case_sync_budget(ctx, seed, payload="bf16", alignment=1):
     return len(syncs), tuple(combined.shape)
 
 
-def _symm_buffer(ctx, n_exp, payload, push=False):
-    """push=True: the push dispatch; False: the pull dispatch."""
+def _symm_buffer(ctx, n_exp, payload):
     from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-    backend = SymmetricMemoryBackend(ctx.group, push=push)
-    return Buffer(n_exp, ctx.group, payload=payload, backend=backend)
+    return Buffer(n_exp, ctx.group, payload=payload, backend=SymmetricMemoryBackend(ctx.group))
 
 
-def _mode(mode):
-    """'push' -> (True,); 'pull' -> (False,)."""
-    return (mode == "push",)
-
-
-def _check_mode(buf, mode):
-    """A push dispatch that could not address the peers' buffers falls back to pulling (with a
-    warning): the push cases must really have pushed."""
-    want = mode == "push"
-    assert buf.backend.push == want, f"{mode}: the backend's push is {buf.backend.push} after a dispatch"
+def _check_pushed(buf):
+    """A symm backend whose ranks could not map each other's buffers falls back to the NCCL
+    all-to-all (with a warning): the symm cases must really have pushed."""
+    assert buf.backend.mapped, "the symm backend fell back to the NCCL all-to-all"
 
 
 def _same_outputs(got, ref, what):
@@ -160,21 +152,21 @@ class _TritonOff:
             os.environ["MOE_FP4_EP_TRITON"] = self.old
 
 
-def case_symm_matches_nccl(ctx, seed, payload, mode, scenario, alignment=1):
+def case_symm_matches_nccl(ctx, seed, payload, scenario, alignment=1):
     """Dispatch (full and cached) and combine (every wire, weighted or not) over symmetric memory
     and over NCCL with the Triton kernels give the bits of the torch reference paths (with the
     experts' rows at ``alignment``)."""
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, scenario)
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
     nccl = Buffer(n_exp, ctx.group, payload=payload)
-    symm = _symm_buffer(ctx, n_exp, payload, *_mode(mode))
-    assert symm.backend.name == "symm" and symm._direct(x)
+    symm = _symm_buffer(ctx, n_exp, payload)
+    assert symm.backend.name == "symm" and symm.backend.usable(x)
     with _TritonOff():
         ref = nccl.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
     _same_outputs(nccl.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment), ref,
                   f"{payload} NCCL dispatch with Triton")
     got = symm.dispatch(x, idx, w, return_fp8=True, expert_alignment=alignment)
-    _check_mode(symm, mode)
+    _check_pushed(symm)
     _same_outputs(got, ref, f"{payload} full dispatch")
     for _ in range(2):  # cached dispatches reuse the staging buffer behind the barriers
         _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"{payload} cached dispatch")
@@ -190,7 +182,7 @@ def case_symm_matches_nccl(ctx, seed, payload, mode, scenario, alignment=1):
     return got.handle.num_rows
 
 
-def case_symm_large(ctx, seed, mode):
+def case_symm_large(ctx, seed):
     """DeepSeek-V3 rows (hidden 7168, top-8 of 32 experts) over symmetric memory: equal to NCCL's,
     and the fused FP8 expert rows equal to the spec's conversion of the gathered rows."""
     g = torch.Generator().manual_seed(seed)
@@ -199,9 +191,9 @@ def case_symm_large(ctx, seed, mode):
     idx = torch.argsort(torch.rand(tokens, n_exp, generator=g), 1)[:, :k].to(dev)
     w = torch.rand(tokens, k, generator=g).to(dev)
     ref = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w, return_fp8=True)
-    symm = _symm_buffer(ctx, n_exp, "mxfp4", *_mode(mode))
+    symm = _symm_buffer(ctx, n_exp, "mxfp4")
     got = symm.dispatch(x, idx, w, return_fp8=True)
-    _check_mode(symm, mode)
+    _check_pushed(symm)
     _same_outputs(got, ref, "mxfp4 hidden 7168")
     for _ in range(2):  # cached: the peers' rows land in this rank's buffer again behind the barriers
         _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "mxfp4 hidden 7168, cached")
@@ -211,23 +203,17 @@ def case_symm_large(ctx, seed, mode):
     want_d, want_s = spec_fp8_of_rows(got.recv_rows, hidden, got.handle.expand_row)
     assert_bitwise_equal(got.fp8[0], want_d, "fused fp8 data vs spec")
     assert_bitwise_equal(got.fp8[1], want_s, "fused fp8 scales vs spec")
-    # per received token (own rows converted inside the push, peers' rows as they land), and both
-    # outputs with the conversion after the transfer
+    # per received token (own rows converted inside the push, peers' rows as they land)
     n_recv = got.handle.num_recv_tokens
     tok_d, tok_s = spec_fp8_of_rows(got.recv_rows, hidden, torch.arange(n_recv, device=dev))
-    be = symm.backend
-    saved = be.overlap_fp8
-    for overlap in (True, False):
-        be.overlap_fp8 = overlap
-        what = f"overlap={overlap}"
-        for _ in range(2):  # the second time with the handle's cached plan
-            tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
-            assert tok.fp8 is None
-            assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, {what}")
-            assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, {what}")
-            assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, {what}")
-            _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, {what}")
-    be.overlap_fp8 = saved
+    for i in range(2):  # the second time with the handle's cached plan
+        what = f"call {i}"
+        tok = symm.dispatch(x, handle=got.handle, return_fp8="tokens")
+        assert tok.fp8 is None
+        assert_bitwise_equal(tok.recv_rows, got.recv_rows, f"received rows, {what}")
+        assert_bitwise_equal(tok.recv_fp8[0], tok_d, f"per-token fp8 data, {what}")
+        assert_bitwise_equal(tok.recv_fp8[1], tok_s, f"per-token fp8 scales, {what}")
+        _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, f"expert rows, {what}")
     # a dispatch and a combine right after the others reuse the buffer behind the barriers
     _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "push after the others")
     y = torch.randn(got.handle.num_rows, hidden, generator=g).to(dev, torch.bfloat16)
@@ -236,16 +222,16 @@ def case_symm_large(ctx, seed, mode):
     return got.handle.num_rows
 
 
-def case_symm_sync_budget(ctx, seed, mode):
+def case_symm_sync_budget(ctx, seed):
     """No host synchronisation in a cached dispatch or a combine over symmetric memory."""
     g = torch.Generator().manual_seed(seed)
     dev = ctx.device
     x = torch.randn(64, 256, generator=g).to(dev, torch.bfloat16)
     idx = torch.argsort(torch.rand(64, 8, generator=g), 1)[:, :3].to(dev)
     w = torch.rand(64, 3, generator=g).to(dev)
-    buf = _symm_buffer(ctx, 8, "mxfp4", *_mode(mode))
+    buf = _symm_buffer(ctx, 8, "mxfp4")
     out = buf.dispatch(x, idx, w, return_fp8=True)  # warm up: staging allocation, kernels, index plan
-    _check_mode(buf, mode)
+    _check_pushed(buf)
     y = out.values()
     buf.combine(y, out.handle)
     torch.cuda.synchronize()
@@ -262,14 +248,14 @@ def case_symm_sync_budget(ctx, seed, mode):
 
 
 def case_symm_push_agreement(ctx, seed):
-    """A rank that cannot map its peers' buffers makes every rank pull (decided together at the first
-    allocation, so no rank pushes into a peer that pulls): warnings name who failed; the rows equal
-    the NCCL dispatch's."""
+    """A rank that cannot map its peers' buffers makes every rank move its payloads through the NCCL
+    all-to-all (decided together at the first allocation, so no rank pushes into a peer that does
+    not): warnings name who failed; the rows and the combine equal the NCCL path's."""
     import warnings
 
     xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
     x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
-    symm = _symm_buffer(ctx, n_exp, "mxfp4", push=True)
+    symm = _symm_buffer(ctx, n_exp, "mxfp4")
     if ctx.rank == ctx.world_size - 1:
         def no_views(*args, **kwargs):
             raise RuntimeError("peer views refused (test)")
@@ -278,35 +264,18 @@ def case_symm_push_agreement(ctx, seed):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = symm.dispatch(x, idx, w, return_fp8=True)
-    assert symm.backend.push is False, "a rank still pushes after a peer could not"
+    assert symm.backend.mapped is False, "a rank still pushes after a peer could not"
     want = "this rank cannot" if ctx.rank == ctx.world_size - 1 else "another rank cannot"
-    assert any(want in str(c.message) and "pulling" in str(c.message) for c in caught), [str(c.message) for c in caught]
+    assert any(want in str(c.message) and "NCCL all-to-all" in str(c.message) for c in caught), \
+        [str(c.message) for c in caught]
     with _TritonOff():
         ref = Buffer(n_exp, ctx.group, payload="mxfp4").dispatch(x, idx, w, return_fp8=True)
-    _same_outputs(got, ref, "pull after the push agreement")
-    _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "cached pull after the agreement")
+    _same_outputs(got, ref, "NCCL after the agreement")
+    _same_outputs(symm.dispatch(x, handle=got.handle, return_fp8=True), ref, "cached, NCCL after the agreement")
+    y = got.values()
+    assert_bitwise_equal(symm.combine(y, got.handle), Buffer(n_exp, ctx.group).combine(y, ref.handle),
+                         "combine, NCCL after the agreement")
     return True
-
-
-def case_symm_settings_must_agree(ctx, seed, setting):
-    """Ranks built with different path settings (so that they would lay out each other's buffers
-    differently) get a ValueError naming the setting on every rank, at the first allocation, instead
-    of wrong rows or a hang."""
-    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
-    x, idx, w = _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank])
-    from moe_fp4.ep.symmetric import SymmetricMemoryBackend
-
-    odd = ctx.rank == ctx.world_size - 1
-    kwargs = {"push": not odd} if setting == "push" else {"overlap_fp8": not odd}
-    buf = Buffer(n_exp, ctx.group, payload="mxfp4", backend=SymmetricMemoryBackend(ctx.group, **kwargs))
-    with pytest.raises(ValueError, match=rf"different settings: {setting} \(0 to 1\)"):
-        buf.dispatch(x, idx, w, return_fp8=True)
-    return setting
-
-
-@pytest.mark.parametrize("setting", ["push", "overlap_fp8"])
-def test_symm_settings_must_agree(pool, setting):
-    pool.run(case_symm_settings_must_agree, fresh_seed(), setting)
 
 
 def test_push_destination_on_another_gpu_raises():
@@ -324,31 +293,54 @@ def test_symm_push_falls_back_on_every_rank_together(pool):
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_symm_matches_nccl(pool, payload, mode):
-    pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "random")
+def test_symm_matches_nccl(pool, payload):
+    pool.run(case_symm_matches_nccl, fresh_seed(), payload, "random")
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
 @pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
-def test_symm_matches_nccl_ragged(pool, scenario, mode):
-    pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", mode, scenario)
+def test_symm_matches_nccl_ragged(pool, scenario):
+    pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", scenario)
 
 
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("bf16", 16)])
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_symm_matches_nccl_aligned(pool, payload, alignment, mode):
-    pool.run(case_symm_matches_nccl, fresh_seed(), payload, mode, "duplicates", alignment)
+def test_symm_matches_nccl_aligned(pool, payload, alignment):
+    pool.run(case_symm_matches_nccl, fresh_seed(), payload, "duplicates", alignment)
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_symm_deepseek_rows(pool, mode):
-    pool.run(case_symm_large, fresh_seed(), mode)
+def test_symm_deepseek_rows(pool):
+    pool.run(case_symm_large, fresh_seed())
 
 
-@pytest.mark.parametrize("mode", ["push", "pull"])
-def test_symm_sync_budget(pool, mode):
-    pool.run(case_symm_sync_budget, fresh_seed(), mode)
+def test_symm_sync_budget(pool):
+    pool.run(case_symm_sync_budget, fresh_seed())
+
+
+def case_num_sms(ctx, seed, backend, scenario):
+    """Buffer(num_sms=2 / 24) gives the bits of the unbounded buffer (dispatch full, cached and
+    sync-free, FP8 rows and tokens, combine over every wire) on 2 GPUs."""
+    g = torch.Generator().manual_seed(seed + ctx.rank)
+    n_exp, k, hidden = 16, 4, 512
+    # many more tokens than 2 SMs' programs, so the bounded kernels loop
+    tokens = 0 if scenario == "empty_rank" and ctx.rank == 1 else 600 + 37 * ctx.rank
+    x = torch.randn(tokens, hidden, generator=g).to(ctx.device, torch.bfloat16)
+    idx = torch.argsort(torch.rand(tokens, n_exp, generator=g), 1)[:, :k]
+    idx[torch.rand(tokens, k, generator=g) < 0.2] = -1
+    idx, w = idx.to(ctx.device), torch.rand(tokens, k, generator=g).to(ctx.device)
+    n_free = ctx.world_size * 700
+
+    shared = make_backend(ctx.group, backend)  # (one symmetric-memory allocation for the three buffers)
+
+    def make(num_sms):
+        return Buffer(n_exp, ctx.group, payload="mxfp4", backend=shared, num_sms=num_sms)
+
+    check_num_sms_same_bits(make, x, idx, w, n_free)
+    return True
+
+
+@pytest.mark.parametrize("backend", [None, "symm"])
+@pytest.mark.parametrize("scenario", ["random", "empty_rank"])
+def test_num_sms_same_bits_2gpu(pool, backend, scenario):
+    pool.run(case_num_sms, fresh_seed(), backend, scenario)
 
 
 @pytest.mark.parametrize("hidden", [7168, 128, 2048])

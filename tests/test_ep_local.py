@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 
 import pytest
@@ -10,8 +9,9 @@ import torch
 from _compare import assert_bitwise_equal
 
 from moe_fp4 import formats
-from moe_fp4.ep import Buffer, dispatch_layout, get_payload, send_order
-from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, make_backend
+from moe_fp4.ep import Buffer, dispatch_layout, get_payload, make_backend, send_order
+from moe_fp4.ep.backends import AllToAllBackend, LocalBackend
+from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
 
 def random_routing(t, k, num_experts, *, allow_dups=True):
@@ -317,7 +317,8 @@ def _has_triton() -> bool:
 # the checks that run under the Triton interpreter, all in one process (its start and the kernels'
 # first runs take seconds): the first test to ask runs them all, each test reads its own result
 _INTERPRETED = ("check_fused_gather_conversion", "check_copy_rows_and_peer_sums",
-                "check_direct_path_in_a_world_of_one", "check_push_path_in_a_world_of_one")
+                "check_direct_path_in_a_world_of_one", "check_push_path_in_a_world_of_one",
+                "check_num_sms_kernels_same_bits")
 _interpreted_results: dict[str, str] = {}
 _RUNNER = """
 import json, traceback
@@ -364,6 +365,97 @@ def test_fused_gather_conversion_matches_spec_interpreted():
 
 def test_copy_rows_and_peer_sums_interpreted():
     _interpreted("check_copy_rows_and_peer_sums")
+
+
+def test_num_sms_kernels_same_bits_interpreted():
+    _interpreted("check_num_sms_kernels_same_bits")
+
+
+def check_num_sms_kernels_same_bits():
+    """Every Triton kernel of the dispatch and combine under an SM budget of one SM (16 programs on
+    the interpreter's 64 warps per SM, so each loops over its 40+ work items) gives the bits of its
+    unbounded grid (one program per item)."""
+    from moe_fp4.ep import _triton_combine as tc
+    from moe_fp4.ep import _triton_rows as tr
+    from moe_fp4.ep import sms
+
+    assert sms.max_programs(1, "cpu") == 16 and sms.grid(45, 16) == 16 and sms.grid(45, None) == 45
+    tc._BF16_STORE_OK[torch.device("cpu")] = False
+    g = torch.Generator().manual_seed(int(torch.randint(0, 1 << 30, (1,))))
+    n, hidden, k = 45, 256, 3
+    rows = mxfp4_rows_with_specials(n, hidden, g)
+    slots = torch.randperm(n * k, generator=g).reshape(n, k)
+    slots[torch.rand(n, k, generator=g) < 0.3] = -1
+    index = torch.randint(0, n, (n + 7,), generator=g)
+    src = torch.randn(n, hidden, generator=g)
+    table = torch.randint(-1, n, (n, k), generator=g)
+    weights = torch.rand(n, k, generator=g)
+    bases = torch.tensor([rows.data_ptr()] * 2, dtype=torch.int64)
+    rank_table = torch.randint(-1, n, (n, 2), generator=g)
+    src_rank = torch.randint(0, 2, (n + 7,), generator=g)
+    used = slots[slots >= 0]  # (the scatter's other output rows are not written)
+    outs = {}
+    for num_sms in (None, 1):
+        outs[num_sms] = [
+            *(t[used] for t in tr.mxfp4_rows_to_fp8_scatter(rows, hidden, slots, n * k, num_sms=num_sms)),
+            *tr.mxfp4_rows_to_fp8_gather(rows, hidden, index, num_sms=num_sms),
+            tr.copy_rows(torch.zeros(n + 7, rows.shape[1], dtype=torch.uint8), index, src_rank, bases,
+                         num_sms=num_sms),
+            tc.gather_sum(src, table, weights, torch.float32, num_sms=num_sms),
+            tc.gather_sum(src, table, None, torch.bfloat16, num_sms=num_sms),
+            tc.decode_sum(bases, rank_table, hidden, "mxfp4", num_sms=num_sms),
+        ]
+    for i, (a, b) in enumerate(zip(outs[None], outs[1])):
+        assert_bitwise_equal(b, a, f"output {i} with num_sms=1")
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "24", True])
+def test_num_sms_rejects_bad_values(bad):
+    """num_sms: None or a positive int, in the constructor and in set_num_sms (the value is kept)."""
+    with pytest.raises(ValueError, match=r"num_sms: expected None \(no bound\) or a positive int"):
+        Buffer(4, num_sms=bad)
+    buf = Buffer(4, num_sms=24)
+    with pytest.raises(ValueError, match=r"num_sms: expected None \(no bound\) or a positive int"):
+        buf.set_num_sms(bad)
+    assert buf.num_sms == 24
+    buf.set_num_sms(None)
+    assert buf.num_sms is None
+
+
+def test_num_sms_same_bits_world_of_one():
+    """A world of one on CPU (the spec and torch paths: num_sms bounds nothing there, but every path
+    takes it): the outputs equal the unbounded buffer's; the SM budget's block counts."""
+    from moe_fp4.ep import sms
+
+    assert sms.max_blocks(None, 8, "cpu") is None and sms.max_blocks(24, 8, "cpu") == 192
+    assert sms.max_blocks(1, 256, "cpu") == 1  # (never below one block)
+    x, idx, w = torch.randn(37, 256), random_routing(37, 3, 4), torch.rand(37, 3)
+    ref_buf, buf = Buffer(4), Buffer(4, num_sms=2)
+    for payload in ("mxfp4", "fp8", "bf16", "nvfp4"):
+        ref = ref_buf.dispatch(x, idx, w, payload=payload, return_fp8=True)
+        got = buf.dispatch(x, idx, w, payload=payload, return_fp8=True)
+        assert_bitwise_equal(got.rows, ref.rows, f"{payload} rows")
+        assert_bitwise_equal(got.fp8[0], ref.fp8[0], f"{payload} fp8")
+        y = ref.values().to(torch.bfloat16)
+        assert_bitwise_equal(buf.combine(y, got.handle), ref_buf.combine(y, ref.handle), f"{payload} combine")
+
+
+def test_deep_ep_compat_forwards_num_sms():
+    """deep_ep_compat.Buffer.set_num_sms (class-level, even, as DeepEP's) is the SM budget of the
+    underlying moe_fp4 Buffer at each call."""
+    from moe_fp4.ep import deep_ep_compat as de
+
+    saved = de.Buffer.num_sms
+    try:
+        b = de.Buffer()
+        inner = b._inner(4)
+        assert inner.num_sms == 20  # DeepEP's default
+        de.Buffer.set_num_sms(24)
+        assert b._inner(4).num_sms == 24
+        with pytest.raises(ValueError, match="new_num_sms: expected a positive even int"):
+            de.Buffer.set_num_sms(23)
+    finally:
+        de.Buffer.num_sms = saved
 
 
 def check_fused_gather_conversion():
@@ -444,16 +536,19 @@ def check_copy_rows_and_peer_sums():
     assert_bitwise_equal(got, want.to(torch.bfloat16), "sums over peer buffers")
 
 
-class _OneRankDirect(LocalBackend):
-    """The direct (symmetric-memory) path in a world of one on CPU: the staging buffer is a plain
-    tensor, barriers are recorded (the GPU backend is moe_fp4.ep.symmetric.SymmetricMemoryBackend)."""
+class _OneRankDirect(SymmetricMemoryBackend):
+    """The symm backend's payload exchange in a world of one on CPU: the staging buffer is a plain
+    tensor, barriers are recorded (no NCCL group: SymmetricMemoryBackend.__init__ is not run)."""
 
-    direct = True
     side_stream = None
 
-    def __init__(self, push=False):
-        super().__init__("cpu")
-        self.push, self.capacity, self.barriers, self._keep = push, 0, [], []
+    def __init__(self):
+        self.name, self.rank, self.world_size, self.device = "symm", 0, 1, torch.device("cpu")
+        self.mapped, self._handle = True, "fake"
+        self.capacity, self.barriers, self._keep = 0, [], []
+
+    def all_to_all(self, out, inp, out_splits, in_splits):
+        out.copy_(inp)
 
     def peer_rows(self, rank, rows, width):
         return self.staging(rows, width)
@@ -475,8 +570,9 @@ class _OneRankDirect(LocalBackend):
 
 
 def check_direct_path_in_a_world_of_one():
-    """dispatch_rows / combine_sums (the pull path: encode into staging, row copies, sums over
-    buffers) give the all-to-all path's bits."""
+    """The symm backend's push dispatch and combine_sums (partials through the staging buffer, sums
+    over the buffers) of float32 tokens give the all-to-all path's bits, also under an SM budget of
+    one SM (the copy-out and every Triton kernel then loop over their work)."""
     from moe_fp4.ep import _triton_combine
 
     _triton_combine._BF16_STORE_OK[torch.device("cpu")] = False
@@ -485,21 +581,23 @@ def check_direct_path_in_a_world_of_one():
         idx = random_routing(29, 3, 4)
         w = torch.rand(29, 3)
         ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
-        backend = _OneRankDirect()
-        buf = Buffer(4, payload=payload, backend=backend)
-        got = buf.dispatch(x, idx, w, return_fp8=True)
-        assert_bitwise_equal(got.recv_rows, ref.recv_rows, f"{payload} received rows")
-        assert_bitwise_equal(got.fp8[0], ref.fp8[0], f"{payload} fp8")
-        assert_bitwise_equal(got.fp8[1], ref.fp8[1], f"{payload} fp8 scales")
-        assert backend.barriers == [0, 1], backend.barriers
-        y = (ref.values() * 2).to(torch.bfloat16)
-        for wire in ("bf16", "fp8", "mxfp4"):
-            for weighted in (True, False):
-                backend.barriers.clear()
-                want = Buffer(4).combine(y, ref.handle, payload=wire, weighted=weighted)
-                have = buf.combine(y, got.handle, payload=wire, weighted=weighted)
-                assert_bitwise_equal(have, want, f"combine over {wire}, weighted={weighted}")
-                assert backend.barriers == [0, 1], (wire, backend.barriers)
+        for num_sms in (None, 1):
+            backend = _OneRankDirect()
+            buf = Buffer(4, payload=payload, backend=backend, num_sms=num_sms)
+            got = buf.dispatch(x, idx, w, return_fp8=True)
+            what = f"{payload}, num_sms={num_sms}"
+            assert_bitwise_equal(got.recv_rows, ref.recv_rows, f"{what}: received rows")
+            assert_bitwise_equal(got.fp8[0], ref.fp8[0], f"{what}: fp8")
+            assert_bitwise_equal(got.fp8[1], ref.fp8[1], f"{what}: fp8 scales")
+            assert backend.barriers == [0, 1], backend.barriers
+            y = (ref.values() * 2).to(torch.bfloat16)
+            for wire in ("bf16", "fp8", "mxfp4", "nvfp4"):
+                for weighted in (True, False):
+                    backend.barriers.clear()
+                    want = Buffer(4).combine(y, ref.handle, payload=wire, weighted=weighted)
+                    have = buf.combine(y, got.handle, payload=wire, weighted=weighted)
+                    assert_bitwise_equal(have, want, f"combine over {wire}, weighted={weighted}, {what}")
+                    assert backend.barriers == [0, 1], (wire, backend.barriers)
 
 
 def test_direct_path_in_a_world_of_one_interpreted():
@@ -520,7 +618,7 @@ def check_push_path_in_a_world_of_one():
         idx[5] = -1  # a token sent nowhere
         w = torch.rand(23, 3)
         ref = Buffer(4, payload=payload).dispatch(x, idx, w, return_fp8=True)
-        backend = _OneRankDirect(push=True)
+        backend = _OneRankDirect()
         buf = Buffer(4, payload=payload, backend=backend)
         got = buf.dispatch(x, idx, w, return_fp8=True)
         again = buf.dispatch(x, handle=got.handle, return_fp8=True)
@@ -565,16 +663,16 @@ class _ThreadRank(AllToAllBackend):
         self.world.sync.wait()  # every rank has read its blocks before the mailboxes change
 
 
-class _ThreadRankDirect(_ThreadRank):
-    """The push dispatch between threads: peer_rows hands out the other ranks' buffers (pre-filled
-    with 0x5A), so each rank's rows really land in its receivers' buffers."""
+class _ThreadRankDirect(SymmetricMemoryBackend):
+    """The symm backend's push dispatch between threads: peer_rows hands out the other ranks'
+    buffers (pre-filled with 0x5A), so each rank's rows really land in its receivers' buffers."""
 
-    direct = True
     side_stream = None
-    push = True
+    all_to_all = _ThreadRank.all_to_all
 
     def __init__(self, world, rank):
-        super().__init__(world, rank)
+        self.world, self.rank, self.world_size, self.device = world, rank, world.world_size, torch.device("cpu")
+        self.name, self.mapped, self._handle = "symm", True, "fake"
         self.capacity, self.barriers = 0, []
 
     def usable(self, t):
@@ -665,7 +763,7 @@ def test_symm_backend_allocates_on_first_use_when_no_row_moves():
 
     backend = SymmetricMemoryBackend.__new__(SymmetricMemoryBackend)  # (its __init__ needs NCCL)
     backend.__dict__.update(rank=0, world_size=1, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
-                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, push=True)
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, mapped=True)
     backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
                                     rendezvous=lambda buf, group: _FakeSymmHandle(buf))
     x = torch.randn(6, 64)
@@ -689,38 +787,32 @@ class _FakePeerHandle(_FakeSymmHandle):
         return torch.zeros(shape, dtype=dtype)
 
 
-_SYMM_SETTINGS = dict(push=True, overlap_fp8=True)
-
-
-def _fake_first_allocation(monkeypatch, mine, others, other_settings=None):
+def _fake_first_allocation(monkeypatch, mine, others):
     """A SymmetricMemoryBackend of rank 0 of 2 on the CPU whose first allocation's all-reduce meets
-    a peer that can (others) or cannot map its peers' buffers, built with other_settings (default:
-    this rank's)."""
+    a peer that can (others) or cannot map its peers' buffers."""
     from types import SimpleNamespace
 
     import moe_fp4.ep.symmetric as symmetric
 
-    other = other_settings or _SYMM_SETTINGS
-    theirs = [int(other[name]) for name in symmetric.SymmetricMemoryBackend._SHARED_SETTINGS]
-
     def all_reduce(t, op, group):
         assert op == "min"
-        t.copy_(torch.minimum(t, torch.tensor([int(others)] + theirs + [-v for v in theirs], dtype=t.dtype)))
+        t.copy_(torch.minimum(t, torch.tensor([int(others)], dtype=t.dtype)))
 
     monkeypatch.setattr(symmetric, "dist", SimpleNamespace(all_reduce=all_reduce, ReduceOp=SimpleNamespace(MIN="min"),
                                                            group=SimpleNamespace(WORLD="world")))
     backend = symmetric.SymmetricMemoryBackend.__new__(symmetric.SymmetricMemoryBackend)
     backend.__dict__.update(rank=0, world_size=2, device=torch.device("cpu"), group="world", capacity=0, _keep=[],
-                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, **_SYMM_SETTINGS)
+                            _buffer=None, _handle=None, _peer_views={}, timeout_ms=1000, mapped=True)
     backend._symm = SimpleNamespace(empty=lambda size, dtype, device: torch.empty(size, dtype=dtype, device=device),
                                     rendezvous=lambda buf, group: _FakePeerHandle(buf, mine))
     return backend
 
 
-@pytest.mark.parametrize("mine, others, push", [(True, True, True), (False, True, False), (True, False, False)])
-def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, push):
+@pytest.mark.parametrize("mine, others, mapped", [(True, True, True), (False, True, False), (True, False, False)])
+def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, mapped):
     """At its first allocation the backend asks every rank (an all-reduce of 'can map the peers'
-    buffers') and pushes only if all can; a warning names whether this rank or another could not."""
+    buffers') and pushes only if all can, else every rank moves its payloads through the NCCL
+    all-to-all; a warning names whether this rank or another could not."""
     import warnings
 
     backend = _fake_first_allocation(monkeypatch, mine, others)
@@ -728,23 +820,28 @@ def test_symm_backend_pushes_only_if_every_rank_can(monkeypatch, mine, others, p
         warnings.simplefilter("always")
         backend.ensure_capacity(100)
         backend.ensure_capacity(1 << 22)  # a later growth asks nobody again
-    assert backend.push is push
-    messages = [str(c.message) for c in caught if "pulling" in str(c.message)]
-    if push:
+    assert backend.mapped is mapped
+    messages = [str(c.message) for c in caught if "NCCL all-to-all" in str(c.message)]
+    if mapped:
         assert not messages
     else:
         assert len(messages) == 1 and ("this rank cannot" if not mine else "another rank cannot") in messages[0]
 
 
-@pytest.mark.parametrize("name, value, shown", [
-    ("push", False, "push (0 to 1)"), ("overlap_fp8", False, "overlap_fp8 (0 to 1)")])
-def test_symm_backend_settings_must_agree(monkeypatch, name, value, shown):
-    """A peer built with another path setting: ValueError naming it at the first allocation (the
-    ranks would otherwise lay out each other's buffers differently)."""
-    other = dict(_SYMM_SETTINGS, **{name: value})
-    backend = _fake_first_allocation(monkeypatch, True, True, other)
-    with pytest.raises(ValueError, match=r"different settings: " + re.escape(shown)):
-        backend.ensure_capacity(100)
+def test_symm_backend_falls_back_to_the_all_to_all(monkeypatch):
+    """Once the ranks agreed they cannot map each other's buffers, the symm backend's dispatch and
+    combine are the all-to-all path's (here in a world of one, all_to_all a copy)."""
+    backend = _fake_first_allocation(monkeypatch, False, True)
+    backend.mapped, backend.world_size = False, 1  # (as after test_symm_backend_pushes_only_if_every_rank_can)
+    backend.all_to_all = lambda out, inp, out_splits, in_splits: out.copy_(inp)
+    backend.usable = lambda t: True
+    x, idx, w = torch.randn(9, 64), random_routing(9, 2, 4), torch.rand(9, 2)
+    ref = Buffer(4).dispatch(x, idx, w)
+    buf = Buffer(4, backend=backend)
+    got = buf.dispatch(x, idx, w)
+    assert_bitwise_equal(got.recv_rows, ref.recv_rows, "dispatch through the all-to-all")
+    y = ref.values().to(torch.bfloat16)
+    assert_bitwise_equal(buf.combine(y, got.handle), Buffer(4).combine(y, ref.handle), "combine")
 
 
 # ------------------------------------------------------------------------------------------------

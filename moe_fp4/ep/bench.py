@@ -19,6 +19,8 @@ CPU; on GPUs also "symm", the symmetric-memory backend of moe_fp4.ep.symmetric):
                expert order (symm + mxfp4: the conversion overlaps the transfer)
   tok us       the same to FP8 1x128 per received token (``return_fp8="tokens"``)
   spread       the widest spread of the row's timings over the iterations, (max - min) / median
+--num-sms N runs every Buffer's dispatch and combine kernels under the SM budget N
+(``Buffer.set_num_sms``; the raw a2a is NCCL's alone) and adds the goal line of that budget.
 Times are medians over iterations of the slowest rank's time; --timing device queues each call behind
 a GPU sleep, so host work the GPU would wait for is hidden (the raw a2a is timed the same way).
 The table is printed with a short form of this legend (LEGEND). The goals are GPU goals (H100/H200
@@ -60,8 +62,9 @@ def _parse(argv):
     p.add_argument("--world", type=int, default=None, help="processes to start when not under torchrun")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
-                   "nccl,symm; CPU: gloo); symm pushes rows into the receivers' buffers, symm:pull pulls them "
-                   "from the senders'")
+                   "nccl,symm; CPU: gloo); symm pushes rows into the receivers' buffers")
+    p.add_argument("--num-sms", type=int, default=None, help="the SM budget of the dispatch and combine kernels "
+                   "(Buffer(num_sms=...), DeepEP's set_num_sms; default: no bound)")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
                    "transfer, conversions, combine kernels) at the largest token count")
     p.add_argument("--profile-layout", action="store_true", help="profile 5 full (layout-computing) mxfp4 "
@@ -84,8 +87,10 @@ def _parse(argv):
     a.backends = [b for b in (a.backends or ("nccl,symm" if a.backend == "nccl" else a.backend)).split(",") if b]
     usable = ("nccl", "symm") if a.backend == "nccl" else ("gloo",)
     for b in a.backends:
-        if b.split(":")[0] not in usable or (":" in b and b != "symm:pull"):
+        if b not in usable:
             p.error(f"--backends: expected some of {usable} with the {a.backend} process group, got {b!r}")
+    if a.num_sms is not None and a.num_sms < 1:
+        p.error(f"--num-sms: expected a positive int, got {a.num_sms}")
     for f in a.formats:
         if f not in FORMATS:
             p.error(f"--formats: unknown format {f!r}")
@@ -202,8 +207,7 @@ def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms, a2a_spread=0.0) -> di
     wire = sum(h.send_counts) * row_bytes
     layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
     n_free = buf.world_size * x.shape[0]
-    pulls = getattr(buf.backend, "direct", False) and not buf.backend.push
-    free_ms = float("nan") if pulls else timer(lambda: buf.dispatch(x, idx, w, payload=codec, max_recv_tokens=n_free))
+    free_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec, max_recv_tokens=n_free))
     disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
     e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)
     tok_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)
@@ -263,14 +267,13 @@ def _run(args) -> list[dict]:
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device()) if args.backend == "nccl" else torch.device("cpu")
     timer = _Timer(dist, None, device, args.iters, args.warmup, args.timing)
-    plain = Buffer(args.experts, payload="bf16", backend=TorchDistributedBackend())
+    plain = Buffer(args.experts, payload="bf16", backend=TorchDistributedBackend(), num_sms=args.num_sms)
     bufs = {}
     for b in args.backends:
-        if b.startswith("symm"):
+        if b == "symm":
             from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
-            backend = SymmetricMemoryBackend(push=b != "symm:pull")
-            bufs[b] = Buffer(args.experts, payload="bf16", backend=backend)
+            bufs[b] = Buffer(args.experts, payload="bf16", backend=SymmetricMemoryBackend(), num_sms=args.num_sms)
         else:
             bufs[b] = plain
     ep_buf = None
@@ -291,7 +294,7 @@ def _run(args) -> list[dict]:
                 rows_out.append(dict(tokens=t, fmt=name, backend="deepep", **r))
             for b, buf in bufs.items():
                 r = _measure(timer, buf, x, idx, w, codec, args.hidden, a2a_ms, a2a_spread)
-                rows_out.append(dict(tokens=t, fmt=name, backend=b, **r))
+                rows_out.append(dict(tokens=t, fmt=name, backend=b, num_sms=args.num_sms, **r))
                 if rank == 0:  # progress (the table is printed at the end)
                     print(f"tokens {t} {b} {name}: dispatch {r['disp_us']:.0f} us, a2a {r['a2a_us']:.0f} us, "
                           f"tok {r['tok_us']:.0f} us, e2e {r['e2e_us']:.0f} us, combine {r['comb_us']:.0f} us",
@@ -310,6 +313,16 @@ def _run(args) -> list[dict]:
         x = torch.randn(t, args.hidden, device=device, dtype=torch.bfloat16)
         rows_out.append(dict(breakdown=_breakdown(timer, bufs["symm"], x, idx, w, args.hidden), tokens=t))
     return rows_out
+
+
+def _with_num_sms(buf, num_sms, fn):
+    """fn() with buf's SM budget set to num_sms (restored after)."""
+    saved = buf.num_sms
+    buf.set_num_sms(num_sms)
+    try:
+        return fn()
+    finally:
+        buf.set_num_sms(saved)
 
 
 def _profile_layout(dist, buf, x, idx, w, what, rank) -> None:
@@ -354,16 +367,14 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     own = b.staging(h.num_recv_tokens, recv.shape[1])
     push_plan = plan
     res = [
-        ("push: fused encode + bulk copies into every receiver (quantize_mxfp4_rows_multi)",
-         timer(lambda: ops.quantize_mxfp4_rows_multi(x, dests, push_plan["peer_rank_table"], bulk_stores=True))),
-        ("push: fused encode + 16-byte warp stores into every receiver",
-         timer(lambda: ops.quantize_mxfp4_rows_multi(x, dests, push_plan["peer_rank_table"], bulk_stores=False))),
+        ("push: fused encode + 16-byte warp stores into every receiver (quantize_mxfp4_rows_multi)",
+         timer(lambda: ops.quantize_mxfp4_rows_multi(x, dests, push_plan["peer_rank_table"]))),
         ("push: copy all received rows out of the own buffer (upper bound of the copy-out)",
          timer(lambda: recv.copy_(own))),
         ("encode quantize_mxfp4_rows into staging", timer(lambda: codec.encode_into(x, staging))),
         ("encode + pack rows per destination (NCCL path)", timer(lambda: gather_rows(codec.encode(x), h.send_token))),
-        ("pull all received rows (copy_rows)", timer(lambda: _triton_rows.copy_rows(recv, h.recv_src_token,
-                                                                                   plan["recv_rank"], b.bases))),
+        ("read all received rows out of the senders' buffers (copy_rows)",
+         timer(lambda: _triton_rows.copy_rows(recv, h.recv_src_token, plan["recv_rank"], b.bases))),
         ("device barrier", timer(lambda: b.barrier(0))),
         ("FP8 per received token (native)", timer(lambda: codec.to_fp8_blockwise(recv, hidden))),
         ("FP8 expert rows, fused conversion + expansion (native)", timer(lambda: codec.expand_fp8_blockwise(
@@ -387,10 +398,8 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
         fp8_width = hidden + hidden // 32
         fp8_dests = [torch.empty(n_, fp8_width, dtype=torch.uint8, device=x.device) if r == me else
                      b.peer_rows(r, n_, fp8_width) for r, n_ in enumerate(recv_per_rank)]
-        for bulk in (True, False):
-            res.append((f"push: fp8 rows, fused quantize, bulk_stores={bulk}",
-                        timer(lambda bulk=bulk: ops.quantize_fp8_blockwise_rows_multi(
-                            x, fp8_dests, push_plan["peer_rank_table"], bulk_stores=bulk))))
+        res.append(("push: fp8 rows, fused quantize",
+                    timer(lambda: ops.quantize_fp8_blockwise_rows_multi(x, fp8_dests, push_plan["peer_rank_table"]))))
     # the FP8 conversion on the way (push_rows_fp8) against the conversion after the transfer
     fp8_out = (torch.empty(h.num_rows, hidden, dtype=torch.float8_e4m3fn, device=x.device),
                torch.empty(h.num_rows, hidden // 128, dtype=torch.float32, device=x.device))
@@ -403,15 +412,14 @@ def _breakdown(timer, buf, x, idx, w, hidden) -> list[tuple[str, float]]:
     for blocks in (sms, 2 * sms, 4 * sms, None):
         res.append((f"push to the peer only, max_blocks={blocks}",
                     timer(lambda blocks=blocks: codec.encode_push(x, dests, peer_only, max_blocks=blocks))))
-    saved = b.overlap_fp8
-    for overlap in (False, True):
-        b.overlap_fp8 = overlap
-        when = "on the way" if overlap else "after the transfer"
-        res.append((f"e2e mxfp4 to expert rows, converted {when}",
-                    timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
-        res.append((f"tok mxfp4 per token, converted {when}",
-                    timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
-    b.overlap_fp8 = saved
+    res.append(("e2e mxfp4 to expert rows, converted on the way",
+                timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)))
+    res.append(("tok mxfp4 per token, converted on the way",
+                timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)))
+    for n_sms in (8, 16, 24, 32):
+        res.append((f"cached mxfp4 dispatch with num_sms={n_sms}",
+                    timer(lambda n_sms=n_sms: _with_num_sms(buf, n_sms, lambda: buf.dispatch(x, handle=h,
+                                                                                           payload=codec)))))
     from moe_fp4.ep._triton_rows import _SCATTER_CHOICE
 
     res.append((f"(scatter conversion configs chosen, (groups, warps): {sorted(set(_SCATTER_CHOICE.values()))})",
@@ -503,6 +511,10 @@ def goals(rows: list[dict], device_type: str = "cuda") -> list[str]:
         links = ", ".join(f"{f} {100 * r['link']:.0f}%" for f, r in ref.items())
         ok = all(r["link"] >= 0.85 for r in ref.values())
         out.append(f"  link use (raw a2a time / cached dispatch time): {links} (goal >= 85%{verdict(ok)})")
+        if "mxfp4" in ref and ref["mxfp4"].get("num_sms") is not None:
+            r = ref["mxfp4"]
+            out.append(f"  cached mxfp4 dispatch with num_sms={r['num_sms']}: {100 * r['link']:.0f}% of the raw a2a "
+                       f"rate (goal >= 85% with num_sms=24 at 16384 tokens{verdict(r['link'] >= 0.85)})")
     return out
 
 
@@ -520,9 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         device = f"{world} CPU processes (gloo), {os.cpu_count()} cores"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    budget = "no SM budget" if args.num_sms is None else f"num_sms {args.num_sms}"
     header = (f"dispatch benchmark: hidden {args.hidden}, top-{args.topk}, {args.experts} experts over {world} ranks, "
-              f"median of {args.iters} iterations, timing {args.timing}\ndevice: {device}; torch {torch.__version__}; "
-              f"{stamp}\n{_native_state()}")
+              f"median of {args.iters} iterations, timing {args.timing}, {budget}\n"
+              f"device: {device}; torch {torch.__version__}; {stamp}\n{_native_state()}")
     parts = [r for r in rows if "breakdown" in r]
     rows = [r for r in rows if "breakdown" not in r]
     device_type = "cuda" if args.backend == "nccl" else "cpu"

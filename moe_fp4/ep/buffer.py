@@ -8,8 +8,9 @@ rank):
   2. a small all-to-all of the count rows (with each rank's hidden/k/E/W/payload/T and an error
      flag, so that bad input on any rank raises ValueError on every rank instead of hanging the others);
   3. the one host synchronisation: the count rows become Python ints (split sizes);
-  4. an all-to-all of the metadata rows, then one of the payload rows (each token once per
-     destination rank);
+  4. an all-to-all of the metadata rows, then the payload exchange, which the backend owns
+     (``AllToAllBackend.dispatch``: one all-to-all of the payload rows, each token once per
+     destination rank; the symm backend pushes the rows into the receivers' buffers);
   5. the receiver's tables on the device (``ops.routing.expand_layout``, a stable counting sort):
      each token expanded to one row per (token, slot) whose expert is local, grouped
      by local expert (stable: by source rank, then source token order, then slot): ragged segments
@@ -41,27 +42,16 @@ from dataclasses import dataclass, field
 import torch
 
 from moe_fp4 import formats
-from moe_fp4.ep import _triton_combine, symmetric
-from moe_fp4.ep.backends import AllToAllBackend, make_backend
+from moe_fp4.ep import _triton_combine, sms
+from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, TorchDistributedBackend, dist
 from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, start_offsets
-from moe_fp4.ep.payloads import (
-    PAYLOAD_IDS,
-    BF16Payload,
-    FP8Payload,
-    MXFP4Payload,
-    PayloadCodec,
-    gather_rows,
-    get_payload,
-)
-from moe_fp4.ops import MAX_ROW_DESTINATIONS, mxfp4_rows_to_fp8_cols_planned, routing
+from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, gather_rows, get_payload
+from moe_fp4.ep.symmetric import SymmetricMemoryBackend
+from moe_fp4.ops import mxfp4_rows_to_fp8_cols_planned, routing
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
 ROW_ALIGN = 128  # bytes: DispatchOutput.rows starts each row on a cache line
-# The widest payload row the one-pass encode into the send blocks takes: the multi-destination
-# kernels stage rows in shared memory (29,024 bytes per row on an H100/H200); wider rows are encoded,
-# then gathered by destination.
-PUSH_ROW_BYTES = 16384
 _SIGNATURE = ("hidden", "num_topk", "num_experts", "world_size", "payload")
 _AGREE_WIDTH = 8  # int64 per rank in the check agreement of gloo groups (Buffer._agree)
 
@@ -347,9 +337,26 @@ def _convert(out: DispatchOutput, return_fp8) -> None:
         out.to_fp8_blockwise()
 
 
-def fused_wire(codec: PayloadCodec) -> str | None:
-    """The name of a built-in wire layout the Triton combine decodes inside its sum, or None."""
-    return codec.name if type(codec) in (BF16Payload, FP8Payload, MXFP4Payload) else None
+def make_backend(group=None, backend=None) -> AllToAllBackend:
+    """The backend for ``group``: an AllToAllBackend given as ``backend`` wins; the strings "nccl"/
+    "gloo" check the group's backend; "symm" is the symmetric-memory backend over an NCCL group
+    (moe_fp4.ep.symmetric); None follows the group (a LocalBackend when torch.distributed
+    is not initialised and no group is given)."""
+    if isinstance(backend, AllToAllBackend):
+        return backend
+    if backend not in (None, "nccl", "gloo", "local", "symm"):
+        raise ValueError(f"backend: expected None, 'nccl', 'gloo', 'local', 'symm' or an AllToAllBackend, "
+                         f"got {backend!r}")
+    if backend == "local" or (group is None and (dist is None or not dist.is_initialized())):
+        if backend not in (None, "local"):
+            raise ValueError(f"backend: {backend!r} needs an initialised torch.distributed process group")
+        return LocalBackend()
+    if backend == "symm":
+        return SymmetricMemoryBackend(group)
+    b = TorchDistributedBackend(group)
+    if backend is not None and b.name != backend:
+        raise ValueError(f"backend: asked for {backend!r} but the process group uses {b.name!r}")
+    return b
 
 
 def _describe(t) -> str:
@@ -400,9 +407,15 @@ class Buffer:
     backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
       (checked against the group), "symm" (an NCCL group whose GPUs share NVLink: the dispatch stores
       payload rows straight into the receivers' symmetric-memory buffers, the combine reads partials
-      out of the peers' buffers, see moe_fp4.ep.symmetric), or an AllToAllBackend."""
+      out of the peers' buffers, see moe_fp4.ep.symmetric), or an AllToAllBackend;
+    num_sms: the SM budget of the dispatch and combine kernels (DeepEP's ``Buffer.set_num_sms``), so
+      that expert compute on other streams finds free SMs: their grids hold at most the warps of
+      num_sms SMs and loop over the work beyond that (the bits do not change; moe_fp4.ep.sms says
+      which kernels it bounds); None (the default): no bound, each kernel sized by its work, the
+      fastest measured when nothing runs beside the dispatch. ``set_num_sms`` changes it."""
 
-    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None):
+    def __init__(self, num_experts: int, group=None, *, payload="mxfp4", backend=None, num_sms: int | None = None):
+        self.num_sms = sms.check_num_sms(num_sms)
         self.backend: AllToAllBackend = make_backend(group, backend)
         self.world_size = self.backend.world_size
         self.rank = self.backend.rank
@@ -411,6 +424,11 @@ class Buffer:
         self.payload = get_payload(payload)
         if _triton_combine.available(torch.empty(0, device=self.device)):
             _triton_combine.check_bf16_store(self.device)
+
+    def set_num_sms(self, num_sms: int | None) -> None:
+        """The SM budget of this buffer's later dispatches and combines: a positive int, or None for
+        no bound (see the class docstring). Ranks may differ (it changes grids, not bytes)."""
+        self.num_sms = sms.check_num_sms(num_sms)
 
     @property
     def device(self) -> torch.device:
@@ -480,7 +498,7 @@ class Buffer:
         payload: the wire format for this call (default: the buffer's);
         return_fp8: also convert the received rows to FP8 1x128: True or "rows": one row per (token,
           local expert) in expert order (``DispatchOutput.fp8``); "tokens": one row per received token
-          (``DispatchOutput.recv_fp8``); False: no conversion. With the symm backend (pushing) and the
+          (``DispatchOutput.recv_fp8``); False: no conversion. With the symm backend and the
           mxfp4 payload on CUDA the conversion overlaps the transfer: this rank's own rows are converted
           while the push to the peers is in flight, the peers' rows as soon as they have landed
           (``symmetric.push_rows_fp8``); otherwise the rows are converted after the transfer. The bits
@@ -505,9 +523,8 @@ class Buffer:
           the capacity are not sent or written, and bad input on a rank is only known after the
           transfer: ``out.handle.check()`` (one host sync) raises ValueError for any of them; call it
           once a step. Every rank must pass the same N, hidden size, k and payload (the transfers'
-          sizes follow from them). Not with a handle; on the symm backend only with its default
-          settings (push). The valid rows hold the bits of a
-          synced dispatch of the same tokens.
+          sizes follow from them). Not with a handle. The valid rows hold the bits of a synced
+          dispatch of the same tokens.
         """
         return self._dispatch(x, topk_idx, topk_weights, handle, payload, return_fp8, expert_alignment,
                               max_recv_tokens, max_recv_rows)
@@ -576,54 +593,19 @@ class Buffer:
         if max_recv_rows is not None and (isinstance(max_recv_rows, bool) or not isinstance(max_recv_rows, int)
                                           or max_recv_rows < 0):
             raise ValueError(f"max_recv_rows: expected None or a non-negative int, got {max_recv_rows!r}")
-        b = self.backend
-        if getattr(b, "direct", False) and not b.push:
-            raise ValueError("max_recv_tokens: the symm backend dispatches sync-free only when it pushes (push=True, "
-                             "and every rank can map its peers' buffers)")
 
     def _send_payload(self, x: torch.Tensor, codec: PayloadCodec, handle: DispatchHandle, return_fp8) -> DispatchOutput:
-        hidden = x.shape[1]
-        if self._direct(x):
-            per_token = return_fp8 == "tokens"
-            k = 1 if per_token else handle.slot_table.shape[1]
-            if return_fp8 and getattr(self.backend, "overlap_fp8", False) and self.backend.push \
-                    and codec.expands_in_place(x, hidden, k):
-                recv, fp8 = symmetric.push_rows_fp8(self.backend, x, codec, handle, per_token)
-                out = DispatchOutput(recv, codec, hidden, handle)
-                if fp8 is None:  # the ranks pull: converted after the transfer
-                    _convert(out, return_fp8)
-                elif per_token:
-                    out.recv_fp8 = fp8
-                else:
-                    out.fp8 = fill_gap_rows(fp8, codec, handle)
-                return out
-            out = DispatchOutput(symmetric.dispatch_rows(self.backend, x, codec, handle), codec, hidden, handle)
+        """The payload exchange (the backend's ``dispatch``), then the FP8 conversion the backend did not
+        do on the way."""
+        recv, fp8 = self.backend.dispatch(x, codec, handle, fp8=return_fp8, num_sms=self.num_sms)
+        out = DispatchOutput(recv, codec, x.shape[1], handle)
+        if fp8 is None:
             _convert(out, return_fp8)
-            return out
-        width = codec.row_bytes(hidden)
-        recv_rows = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=self.device)
-        if handle.world_size <= MAX_ROW_DESTINATIONS and width <= PUSH_ROW_BYTES:
-            # one pass: each token encoded once and stored to its row in every destination's block of
-            # the send buffer (the rank table's rows), no gather of encoded rows by destination
-            send_rows = torch.empty(sum(handle.send_counts), width, dtype=torch.uint8, device=self.device)
-            if send_rows.shape[0] and x.shape[0]:
-                codec.encode_push(x, [send_rows] * handle.world_size, handle.rank_table)
-            self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
-            out = DispatchOutput(recv_rows, codec, hidden, handle)
-            _convert(out, return_fp8)
-            return out
-        rows = codec.encode(x)  # (more ranks than one encode pass stores to, or wider rows): then a gather
-        if rows.shape[0] == 0:  # (the unused rows of a sync-free handle's fixed blocks gather row 0)
-            rows = rows.new_zeros(1, rows.shape[1])
-        send_rows = gather_rows(rows, handle.send_token)
-        self.backend.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
-        out = DispatchOutput(recv_rows, codec, hidden, handle)
-        _convert(out, return_fp8)
+        elif return_fp8 == "tokens":
+            out.recv_fp8 = fp8
+        else:
+            out.fp8 = fill_gap_rows(fp8, codec, handle)
         return out
-
-    def _direct(self, t: torch.Tensor) -> bool:
-        """Whether the payload moves through the direct (symmetric memory) path."""
-        return getattr(self.backend, "direct", False) and self.backend.usable(t)
 
     def _input_error(self, x, topk_idx, topk_weights, codec: PayloadCodec) -> ValueError | None:
         """The ValueError this rank's dispatch inputs raise, or None (kept, not raised: the peers
@@ -785,48 +767,8 @@ class Buffer:
             error = e
         self._agree("combine", error, {} if error is not None else dict(
             hidden=y.shape[1], payload=PAYLOAD_IDS.get(codec.name, -1)))
-        if self._direct(y):
-            return symmetric.combine_sums(self.backend, y, handle, handle.recv_topk_weights if weighted else None,
-                                          codec)
-        fused = _triton_combine.available(y)
-        bf16_wire = codec.name == "bf16"
-        if fused:
-            weights = handle.recv_topk_weights if weighted else None
-            partial = _triton_combine.gather_sum(y, handle.slot_table, weights,
-                                                 torch.bfloat16 if bf16_wire else torch.float32)
-            wire = partial.view(torch.uint8) if bf16_wire else codec.encode(partial)
-        else:
-            wire = codec.encode(self._local_sums(y, handle, weighted))
-        back = torch.empty(sum(handle.send_counts), wire.shape[1], dtype=torch.uint8, device=self.device)
-        self.backend.all_to_all(back, wire, handle.send_counts, handle.recv_counts)
-        if fused:
-            if fused_wire(codec) is not None:  # decode inside the sum: no float32 copy of the rows
-                bases = torch.full((self.world_size,), back.data_ptr(), dtype=torch.int64, device=self.device)
-                return _triton_combine.decode_sum(bases, handle.rank_table, y.shape[1], fused_wire(codec))
-            values = back.view(torch.bfloat16) if bf16_wire else codec.decode(back, y.shape[1])
-            return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
-        return self._rank_sums(codec.decode(back, y.shape[1]), handle).to(torch.bfloat16)
-
-    def _local_sums(self, y: torch.Tensor, handle: DispatchHandle, weighted: bool) -> torch.Tensor:
-        """float32 [n_recv, H]: per received token, the sum over its local slots in slot order (whole
-        tensors per slot: no host sync, also for a sync-free handle)."""
-        acc = torch.zeros(handle.num_recv_tokens, y.shape[1], dtype=torch.float32, device=self.device)
-        for j in range(handle.num_topk):
-            rows = handle.slot_table[:, j]
-            contrib = gather_rows(y, rows.clamp(min=0)).to(torch.float32)
-            if weighted:
-                contrib = contrib * handle.recv_topk_weights[:, j].unsqueeze(1)
-            # (acc is never -0.0, so adding +0.0 for a slot without a row leaves its bits as they are)
-            acc += torch.where((rows >= 0).unsqueeze(1), contrib, 0.0)
-        return acc
-
-    def _rank_sums(self, values: torch.Tensor, handle: DispatchHandle) -> torch.Tensor:
-        """values float32 [rows sent, H] in send order -> float32 [T, H], ranks added in order."""
-        out = torch.zeros(handle.num_tokens, values.shape[1], dtype=torch.float32, device=self.device)
-        for r in range(handle.world_size):
-            rows = handle.rank_table[:, r]
-            out += torch.where((rows >= 0).unsqueeze(1), values[rows.clamp(min=0)], 0.0)
-        return out
+        weights = handle.recv_topk_weights if weighted else None
+        return self.backend.combine(y, handle, codec, weights=weights, num_sms=self.num_sms)
 
 
-__all__ = ["Buffer", "DispatchHandle", "DispatchOutput"]
+__all__ = ["Buffer", "DispatchHandle", "DispatchOutput", "make_backend"]

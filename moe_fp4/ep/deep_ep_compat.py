@@ -82,10 +82,9 @@ from dataclasses import dataclass
 import torch
 
 from moe_fp4 import formats, ops
-from moe_fp4.ep.backends import make_backend
 from moe_fp4.ep.buffer import Buffer as _MoEBuffer
 from moe_fp4.ep.buffer import DispatchHandle as _MoEHandle
-from moe_fp4.ep.buffer import agree_on_checks
+from moe_fp4.ep.buffer import agree_on_checks, make_backend
 from moe_fp4.ep.layout import check_experts, check_topk_idx, dispatch_layout
 from moe_fp4.ep.payloads import PAYLOAD_IDS, get_payload
 
@@ -173,7 +172,8 @@ class Buffer:
       ``destroy()`` must be called, and may only be called then); comm: must be None;
     backend (extra keyword): moe_fp4's backend (None follows the group; "symm" for symmetric memory).
     Attributes as DeepEP's: rank, group_size, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-    explicitly_destroy; the class attribute num_sms (set_num_sms) is recorded only."""
+    explicitly_destroy; the class attribute num_sms (set_num_sms, default 20 as DeepEP's) is the SM
+    budget of the dispatch kernels (``moe_fp4.ep.Buffer.set_num_sms``, read at each call)."""
 
     num_sms: int = 20
 
@@ -202,7 +202,8 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Recorded only (moe_fp4's kernels size their grids themselves); must be even, as DeepEP's."""
+        """The SM budget of every Buffer's later dispatches (``moe_fp4.ep.Buffer.set_num_sms``: the
+        kernels' grids hold at most the warps of that many SMs); must be even, as DeepEP's."""
         if not _is_int(new_num_sms) or new_num_sms <= 0 or new_num_sms % 2:
             raise ValueError(f"new_num_sms: expected a positive even int, got {new_num_sms!r}")
         Buffer.num_sms = new_num_sms
@@ -239,7 +240,9 @@ class Buffer:
             raise ValueError("self: the buffer was destroyed")
         if num_experts not in self._buffers:
             self._buffers[num_experts] = _MoEBuffer(num_experts, self.group, payload="bf16", backend=self.backend)
-        return self._buffers[num_experts]
+        inner = self._buffers[num_experts]
+        inner.set_num_sms(Buffer.num_sms)  # (the class attribute may have changed since)
+        return inner
 
     def _event(self, async_finish: bool) -> EventOverlap:
         if async_finish and self.device.type == "cuda":

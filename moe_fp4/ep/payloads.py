@@ -400,6 +400,11 @@ PAYLOADS: dict[str, type[PayloadCodec]] = {
 PAYLOAD_IDS = {name: i for i, name in enumerate(PAYLOADS)}
 
 
+def fused_wire(codec: PayloadCodec) -> str | None:
+    """The name of a built-in wire layout the Triton combine decodes inside its sum, or None."""
+    return codec.name if type(codec) in (BF16Payload, FP8Payload, MXFP4Payload) else None
+
+
 def get_payload(payload) -> PayloadCodec:
     """A codec from its name ("bf16", "fp8", "mxfp4", "nvfp4") or a PayloadCodec instance."""
     if isinstance(payload, PayloadCodec):

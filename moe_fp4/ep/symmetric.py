@@ -3,20 +3,16 @@
 ``SymmetricMemoryBackend`` (``Buffer(..., backend="symm")``) keeps NCCL for the small exchanges
 (counts, metadata) and moves the payload rows through the ranks' symmetric-memory buffers:
 
-  dispatch  (push, the default) one kernel reads each token once, encodes it and stores its row
-            straight into every destination: this rank's receive rows, and each peer's buffer at the
-            row where that peer receives it (stores over NVLink), so the encode overlaps the
-            transfer and there is no staging or packing pass (mxfp4: ``ops.quantize_mxfp4_rows_multi``;
-            bf16: ``ops.scatter_rows`` of the tokens' bytes; other codecs: encode, then that push).
+  dispatch  one kernel reads each token once, encodes it and stores its row straight into every
+            destination (a push): this rank's receive rows, and each peer's buffer at the row where
+            that peer receives it (stores over NVLink), so the encode overlaps the transfer and there
+            is no staging or packing pass (mxfp4: ``ops.quantize_mxfp4_rows_multi``; bf16:
+            ``ops.scatter_rows`` of the tokens' bytes; other codecs: encode, then that push).
             After a device barrier each rank copies the peers' blocks out of its own buffer into its
             receive rows (a local copy, so the returned rows outlive the next dispatch).
             With FP8 output asked for (``push_rows_fp8``: mxfp4 with the native ops) the push kernel
             also converts the rows a rank sends itself to FP8 from its staged row, and the peers'
             blocks are converted and copied out of the buffer in one pass after the barrier.
-            (pull, ``push=False``, or where a rank cannot map its peers' buffers) every rank encodes
-            its tokens into its own staging buffer, in token order; after a barrier each receiver
-            copies the rows it needs, from every source's buffer, into its receive rows (one Triton
-            copy kernel).
   combine   every expert rank writes its per-token partial sums into its staging buffer; after a
             barrier each token's rank sums (and, for fp8/mxfp4 wires, decodes) its partials straight
             out of the peers' buffers (one Triton kernel: no receive buffer, no all-to-all).
@@ -24,8 +20,12 @@ Each operation starts with a barrier, so no rank writes into a buffer (its own s
 receiver's in the push dispatch) while that buffer's rows are still being read (copied out by its
 owner, or read by a peer). Results are bit for bit those of the NCCL path (tests/test_ep_gpu.py checks it).
 
-Slicing the pull dispatch's encode (and the bf16 combine) to copy slice c while slice c + 1 is
-encoded measured slower than no slicing on 2 H200s (benchmarks/results/dispatch.md) and was removed.
+Where a rank cannot map its peers' buffers as tensors (what the push writes through), the ranks
+agree at the first allocation to move every payload through the NCCL all-to-all instead (the
+``AllToAllBackend`` path), with a warning. Paths that measured slower and were removed (their figures
+are in benchmarks/results/dispatch.md): pulling the rows out of the senders' staging buffers
+(``push=False``), its encode in slices, and converting to FP8 after the transfer while pushing
+(``overlap_fp8=False``).
 
 Multicast is never used (no multimem operations; set TORCH_SYMM_MEM_DISABLE_MULTICAST=1 on
 machines where it must stay off). The staging buffer grows on demand; the size is computed from
@@ -41,9 +41,10 @@ import warnings
 
 import torch
 
-from moe_fp4.ep import _triton_combine, _triton_rows
+from moe_fp4.ep import _triton_combine, _triton_rows, sms
 from moe_fp4.ep.backends import TorchDistributedBackend, dist
 from moe_fp4.ep.layout import start_offsets
+from moe_fp4.ep.payloads import fused_wire
 from moe_fp4.formats import FP8_GROUP
 
 _MIB = 1 << 20
@@ -51,28 +52,18 @@ _MIB = 1 << 20
 
 class SymmetricMemoryBackend(TorchDistributedBackend):
     """Payload rows and combine partials through the ranks' symmetric-memory buffers: the dispatch
-    stores rows straight into the receivers' buffers (or, pulling, reads them out of the senders'),
-    the combine reads the partial sums out of the peers' buffers.
+    stores rows straight into the receivers' buffers, the combine reads the partial sums out of the
+    peers' buffers.
 
     group: an NCCL process group (None: the default group) whose ranks share NVLink (one host);
-    push: dispatch by pushing each encoded row into its receivers' buffers (True, the default) or by
-      pulling rows out of the senders' staging buffers (False); with True the ranks agree at the
-      first allocation: they push only if every rank can map its peers' buffers as tensors, else all
-      pull (a warning says which rank could not);
-    timeout_ms: how long a device barrier waits for a peer before the kernel traps;
-    overlap_fp8: when a dispatch asks for FP8 (``Buffer.dispatch(return_fp8=...)``), convert this
-      rank's own rows inside the push kernel and the peers' rows straight out of the buffer as soon as
-      they have landed (True, the default, for payloads that convert in place: mxfp4 with the native
-      ops; ``push_rows_fp8``), or convert the received rows after the transfer (False);
-    Every rank of the group must be built with the same path settings (push, overlap_fp8:
-    checked at the first allocation, ValueError otherwise) and pass the same ``return_fp8`` to each
-    dispatch: the paths lay out the buffers differently. (Converting the peers' rows slice by slice
-    behind the next slice's push, and pulling the rows to convert out of the senders' buffers,
-    measured slower: benchmarks/results/dispatch.md, Run F and 2026-11-25.)"""
+    timeout_ms: how long a device barrier waits for a peer before the kernel traps.
+    At the first allocation the ranks agree whether every one of them can map its peers' buffers as
+    tensors; if one cannot, every rank moves its payloads through the NCCL all-to-all (a warning
+    says which rank could not). Every rank must pass the same ``return_fp8`` to each dispatch."""
 
     direct = True
 
-    def __init__(self, group=None, *, push: bool = True, timeout_ms: int = 120_000, overlap_fp8: bool = True):
+    def __init__(self, group=None, *, timeout_ms: int = 120_000):
         super().__init__(group)
         if self.name != "nccl":
             raise ValueError(f"backend: 'symm' needs an NCCL process group on CUDA devices, the group uses "
@@ -81,9 +72,8 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
 
         self._symm = symm_mem
         self.name = "symm"
-        self.push = bool(push)
         self.timeout_ms = timeout_ms
-        self.overlap_fp8 = bool(overlap_fp8)
+        self.mapped = True  # every rank can map its peers' buffers (agreed at the first allocation)
         self._peer_views: dict = {}  # rank -> uint8 [capacity]: that rank's buffer as seen from this GPU
         self.capacity = 0
         self._keep: list = []  # (tensor, handle) of every buffer allocated (peers may still read old ones)
@@ -129,40 +119,53 @@ class SymmetricMemoryBackend(TorchDistributedBackend):
         if first and self.world_size > 1:
             self._agree_at_first_allocation()
 
-    # Settings that choose a dispatch's path and its barriers: every rank must take the same path.
-    _SHARED_SETTINGS = ("push", "overlap_fp8")
-
     def _agree_at_first_allocation(self) -> None:
-        """Collective, at the first allocation: the ranks check that they were built with the same
-        path settings (``_SHARED_SETTINGS``: else ValueError on every rank, naming them; ranks on
-        different paths would write each other's buffers in different layouts); with ``push`` every
-        rank tries to map each peer's buffer as a tensor (what the push dispatch writes through) and
-        the ranks push only if all of them can; otherwise every rank pulls (one warning per rank that
-        could not). One host sync, once. Settings changed after this must be changed on every rank."""
+        """Collective, at the first allocation: every rank tries to map each peer's buffer as a
+        tensor (what the push dispatch writes through); one all-reduce (MIN) tells every rank
+        whether all could. If not, ``mapped`` turns False on every rank and the payloads move
+        through the NCCL all-to-all (one warning per rank). One host sync, once."""
         reason = ""
-        if self.push:
-            try:
-                for r in range(self.world_size):
-                    if r != self.rank:
-                        self.peer_rows(r, 1, 1)
-            except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
-                reason = " ".join(str(e).split()) or type(e).__name__
-        mine = [int(getattr(self, name)) for name in self._SHARED_SETTINGS]
-        # one all-reduce (MIN) of [can push, settings, -settings]: the settings' minima and maxima
-        flag = torch.tensor([0 if reason else 1] + mine + [-v for v in mine], dtype=torch.int64, device=self.device)
+        try:
+            for r in range(self.world_size):
+                if r != self.rank:
+                    self.peer_rows(r, 1, 1)
+        except (AttributeError, RuntimeError, TypeError) as e:  # no tensor view of peers' buffers in this torch
+            reason = " ".join(str(e).split()) or type(e).__name__
+        flag = torch.tensor([0 if reason else 1], dtype=torch.int64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-        got = flag.tolist()
-        n = len(mine)
-        differ = [f"{name} ({got[1 + i]} to {-got[1 + n + i]})" for i, name in enumerate(self._SHARED_SETTINGS)
-                  if got[1 + i] != -got[1 + n + i]]
-        if differ:
-            raise ValueError("symm backend: the ranks were built with different settings: " + ", ".join(differ)
-                             + "; every rank of the group must use the same ones")
-        if self.push and not got[0]:
-            self.push = False
+        if not flag.item():
+            self.mapped = False
             why = f"this rank cannot address its peers' buffers as tensors ({reason})" if reason else \
                 "another rank cannot address its peers' buffers as tensors"
-            warnings.warn(f"symm backend: {why}; every rank dispatches by pulling", RuntimeWarning, stacklevel=4)
+            warnings.warn(f"symm backend: {why}; every rank moves its payloads through the NCCL all-to-all",
+                          RuntimeWarning, stacklevel=5)
+
+    # -------------------------------------------------------------------------------------------
+    # the payload exchange (AllToAllBackend's interface)
+    # -------------------------------------------------------------------------------------------
+
+    def dispatch(self, x, codec, handle, *, fp8=False, num_sms=None):
+        """The push dispatch (``push_rows``; with ``fp8`` and a codec that converts in place,
+        ``push_rows_fp8``, which returns the FP8 pair); the all-to-all path where the Triton
+        kernels do not run or the ranks cannot map each other's buffers."""
+        if not self.usable(x):
+            return super().dispatch(x, codec, handle, fp8=fp8, num_sms=num_sms)
+        self.ensure_capacity(max(recv_rows_per_rank(handle)) * codec.row_bytes(x.shape[1]))  # (collective)
+        if not self.mapped:
+            return super().dispatch(x, codec, handle, fp8=fp8, num_sms=num_sms)
+        per_token = fp8 == "tokens"
+        k = 1 if per_token else handle.slot_table.shape[1]
+        if fp8 and codec.expands_in_place(x, x.shape[1], k):
+            return push_rows_fp8(self, x, codec, handle, per_token, num_sms=num_sms)
+        return push_rows(self, x, codec, handle, num_sms=num_sms), None
+
+    def combine(self, y, handle, codec, *, weights=None, num_sms=None):
+        """``combine_sums`` over the staging buffers; the all-to-all path as in ``dispatch``."""
+        if self.usable(y) and self._handle is None:
+            self.ensure_capacity(0)  # (collective) the first allocation decides ``mapped``
+        if not self.usable(y) or not self.mapped:
+            return super().combine(y, handle, codec, weights=weights, num_sms=num_sms)
+        return combine_sums(self, y, handle, weights, codec, num_sms=num_sms)
 
     def peer_rows(self, rank: int, rows: int, width: int) -> torch.Tensor:
         """uint8 [rows, width]: the start of ``rank``'s buffer as a tensor of this GPU (a peer's
@@ -267,40 +270,23 @@ def recv_rows_per_rank(handle) -> list[int]:
     return [sum(handle.count_matrix[s][r] for s in range(w)) for r in range(w)]
 
 
-def dispatch_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
-    """The payload exchange of a dispatch: x float [T, H] -> received rows uint8 [n_recv, row_bytes],
-    grouped by source rank, the same bytes as the all-to-all path. ``push_rows`` when the backend
-    pushes; otherwise each rank pulls the rows out of the senders' staging buffers."""
-    if getattr(backend, "push", False):
-        return push_rows(backend, x, codec, handle)
-    width = codec.row_bytes(x.shape[1])
-    plan = direct_plan(handle)
-    backend.ensure_capacity(max(handle.peer_num_tokens) * width)
-    recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
-    backend.barrier(0)  # every peer has finished reading the staging buffer
-    if x.shape[0]:
-        codec.encode_into(x, backend.staging(x.shape[0], width))
-    backend.barrier(1)  # every rank's rows are encoded
-    _triton_rows.copy_rows(recv, handle.recv_src_token, plan["recv_rank"], backend.bases)
-    return recv
-
-
-def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -> torch.Tensor:
+def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, *,
+              num_sms: int | None = None) -> torch.Tensor:
     """The push dispatch: x [T, H] -> received rows uint8 [n_recv, row_bytes] (grouped by source
     rank, the bytes of the all-to-all path). Rows for this rank go straight into the returned
     tensor; rows for rank r into r's buffer at the row r receives them (``peer_rank_table``); after
-    the barrier the peers' blocks are copied out of this rank's buffer (contiguous slices)."""
+    the barrier the peers' blocks are copied out of this rank's buffer (contiguous slices).
+    num_sms: the SM budget of the push and the copies (moe_fp4.ep.sms)."""
     w, me = handle.world_size, handle.rank
     width = codec.row_bytes(x.shape[1])
     plan = direct_plan(handle)
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
     recv = torch.empty(handle.num_recv_tokens, width, dtype=torch.uint8, device=backend.device)
-    if not backend.push:  # the ranks agreed at the first allocation that some cannot push
-        return dispatch_rows(backend, x, codec, handle)
     dests = [recv if r == me else backend.peer_rows(r, recv_per_rank[r], width) for r in range(w)]
     backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
-    codec.encode_push(x, dests, plan["peer_rank_table"])
+    codec.encode_push(x, dests, plan["peer_rank_table"], max_blocks=sms.max_blocks(num_sms, sms.NATIVE_WARPS,
+                                                                                    x.device))
     backend.barrier(1)  # every row has landed
     recv_off = start_offsets(handle.recv_counts)
     own = backend.staging(handle.num_recv_tokens, width)
@@ -308,17 +294,31 @@ def push_rows(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle) -
     lo, hi = recv_off[me], recv_off[me] + handle.recv_counts[me]
     for a, b in ((0, lo), (hi, handle.num_recv_tokens)):
         if b > a:
-            recv[a:b].copy_(own[a:b])
+            _copy_out(backend, recv[a:b], own, a, num_sms)
     return recv
 
 
-def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, per_token: bool):
+def _copy_out(backend: SymmetricMemoryBackend, out: torch.Tensor, own: torch.Tensor, start: int,
+              num_sms: int | None) -> None:
+    """out (uint8 [n, B], contiguous) <- rows [start, start + n) of this rank's buffer ``own``: a torch
+    copy, or under an SM budget the Triton row copy with a bounded grid (the same bytes)."""
+    if num_sms is None or not _triton_rows.available(out):
+        out.copy_(own[start:start + out.shape[0]])
+        return
+    n = out.shape[0]
+    rows = torch.arange(start, start + n, dtype=torch.int64, device=out.device)
+    here = torch.zeros(n, dtype=torch.int64, device=out.device)  # (rank 0 of a one-entry base table)
+    _triton_rows.copy_rows(out, rows, here, backend.bases[backend.rank:backend.rank + 1], num_sms=num_sms)
+
+
+def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handle, per_token: bool, *,
+                  num_sms: int | None = None):
     """The push dispatch with the received rows converted to FP8 1x128 on the way: x [T, H] ->
     (received rows uint8 [n_recv, row_bytes] as ``push_rows`` returns them, (float8_e4m3fn [R, H],
     float32 [R, H/128])) with R = n_recv (``per_token``: row j is received row j) or the handle's
     expert rows (row slot_table[j, s] is received row j, as ``DispatchOutput.to_fp8_blockwise``;
-    handle.alloc_rows of them); (rows, None) when the ranks agreed to pull instead: the caller
-    converts then.
+    handle.alloc_rows of them). num_sms: the SM budget of the push (moe_fp4.ep.sms; the conversion
+    of the peers' rows, ``ops.mxfp4_rows_expand_fp8_blockwise``, takes no grid cap).
 
     One kernel encodes each token once and stores its row to every receiver; a row this rank sends
     itself is also converted, from the row staged in shared memory, to its FP8 rows while the stores
@@ -332,8 +332,6 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     plan = direct_plan(handle)
     recv_per_rank = recv_rows_per_rank(handle)
     backend.ensure_capacity(max(recv_per_rank) * width)  # the same size on every rank
-    if not backend.push:  # (the ranks may have agreed at the first allocation to pull)
-        return dispatch_rows(backend, x, codec, handle), None  # (the caller converts)
     n = handle.num_recv_tokens
     recv, slots, out = _fp8_outputs(backend, plan, handle, hidden, width, per_token)
     lo = start_offsets(handle.recv_counts)[me]
@@ -345,7 +343,8 @@ def push_rows_fp8(backend: SymmetricMemoryBackend, x: torch.Tensor, codec, handl
     backend.barrier(0)  # every rank has finished copying out of its buffer (and reading peers')
     side.wait_stream(main)
     if x.shape[0]:
-        codec.encode_push_expand(x, dests, plan["peer_rank_table"], me, slots, out)
+        codec.encode_push_expand(x, dests, plan["peer_rank_table"], me, slots, out,
+                                 max_blocks=sms.max_blocks(num_sms, sms.NATIVE_WARPS, x.device))
     pushed = torch.cuda.Event()
     pushed.record(main)
     with torch.cuda.stream(side):
@@ -369,15 +368,11 @@ def _fp8_outputs(backend, plan, handle, hidden: int, width: int, per_token: bool
     return recv, slots, out
 
 
-def fused_wire(codec):
-    from moe_fp4.ep.buffer import fused_wire as f
-
-    return f(codec)
-
-
-def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weights, codec) -> torch.Tensor:
+def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weights, codec, *,
+                 num_sms: int | None = None) -> torch.Tensor:
     """Combine over the staging buffers: y [N, H'] expert outputs -> bfloat16 [T, H'] (the same
-    arithmetic and bits as Buffer.combine's all-to-all path)."""
+    arithmetic and bits as the all-to-all path, ``AllToAllBackend.combine``). num_sms: the SM budget
+    of the sums and copies (moe_fp4.ep.sms; the encode of fp8/mxfp4 partials takes no grid cap)."""
     hidden = y.shape[1]
     plan = direct_plan(handle)
     n_recv_per_rank = recv_rows_per_rank(handle)
@@ -388,18 +383,19 @@ def combine_sums(backend: SymmetricMemoryBackend, y: torch.Tensor, handle, weigh
     staging = backend.staging(handle.num_recv_tokens, width)
     if bf16_wire:
         _triton_combine.gather_sum(y, handle.slot_table, weights, torch.bfloat16,
-                                   out=staging.view(torch.bfloat16))
+                                   out=staging.view(torch.bfloat16), num_sms=num_sms)
     else:
-        codec.encode_into(_triton_combine.gather_sum(y, handle.slot_table, weights, torch.float32), staging)
+        codec.encode_into(_triton_combine.gather_sum(y, handle.slot_table, weights, torch.float32, num_sms=num_sms),
+                          staging)
     backend.barrier(1)
     wire = fused_wire(codec)
     if wire is not None:  # sum straight out of the peers' buffers, decoding on the way
-        return _triton_combine.decode_sum(backend.bases, plan["peer_rank_table"], hidden, wire)
+        return _triton_combine.decode_sum(backend.bases, plan["peer_rank_table"], hidden, wire, num_sms=num_sms)
     back = torch.empty(sum(handle.send_counts), width, dtype=torch.uint8, device=backend.device)
-    _triton_rows.copy_rows(back, plan["send_peer_row"], plan["send_rank"], backend.bases)
+    _triton_rows.copy_rows(back, plan["send_peer_row"], plan["send_rank"], backend.bases, num_sms=num_sms)
     values = codec.decode(back, hidden)
-    return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16)
+    return _triton_combine.gather_sum(values, handle.rank_table, None, torch.bfloat16, num_sms=num_sms)
 
 
-__all__ = ["SymmetricMemoryBackend", "combine_sums", "direct_plan", "dispatch_rows", "push_rows", "push_rows_fp8",
+__all__ = ["SymmetricMemoryBackend", "combine_sums", "direct_plan", "push_rows", "push_rows_fp8",
            "recv_rows_per_rank"]
