@@ -180,31 +180,31 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         launch = _ops.column_launch(glens, goffs, t)
         us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
         add(f"mxfp4_rows_to_fp8_cols {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
-        # the rows of a real dispatch (a world of one: top-8 of 32 experts over t / 8 tokens), as a
-        # wgrad operand: back to back (ragged, two passes) against expert_alignment=32 (every expert
-        # at a multiple of 32 rows, zero rows between: one pass). Bytes: the rows read, every output
-        # column written (gap rows included).
+        # the expert segments of a dispatch's received rows (a world of one: top-8 of 32 experts over
+        # t / 8 tokens), as a wgrad operand: back to back (ragged, two passes) against each expert's
+        # rows starting on a multiple of 32 (a dispatch's expert_alignment=32, zero rows between: one
+        # pass). Bytes: t rows read, every output column written (gap rows included).
         if t % 8 == 0:
-            from moe_fp4.ep import Buffer
-            from moe_fp4.ep.backends import LocalBackend
-
-            buf = Buffer(experts, backend=LocalBackend(xs[0].device), payload="mxfp4")
             idx = torch.argsort(torch.rand(t // 8, experts, device="cuda"), 1)[:, :8]
+            counts = torch.bincount(idx.flatten(), minlength=experts)
             for align in (1, 32):
-                first = buf.dispatch(xs[0][: t // 8], idx, expert_alignment=align)
-                outs = [first] + [buf.dispatch(xs[i][: t // 8], handle=first.handle) for i in range(1, ns)]
-                views = [formats.unpack_mxfp4_rows(o.rows, h) for o in outs]
-                dl, do, n_out = first.split_lens, first.split_offsets, first.handle.num_rows
+                padded = (counts + align - 1) // align * align
+                dl, do, n_out = counts, torch.cumsum(padded, 0) - padded, int(padded.sum())
+                rows = [formats.quantize_mxfp4(torch.randn(n_out, h, device="cuda", dtype=torch.bfloat16))
+                        for _ in range(ns)]
                 launch = _ops.column_launch(dl, do, n_out)
-                us = _median_us(lambda i, v=views, dl=dl, do=do, launch=launch: native.mxfp4_rows_to_fp8_cols(
+                us = _median_us(lambda i, v=rows, dl=dl, do=do, launch=launch: native.mxfp4_rows_to_fp8_cols(
                     v[i][0], v[i][1], dl, do, *launch), ns, reps)
                 name = "back to back" if align == 1 else f"expert_alignment={align}"
                 nbytes = fp4_bytes + n_out * h + n_out * h // 128 * 4
-                add(f"mxfp4_rows_to_fp8_cols dispatch output, top-8 of {experts}, {name}", shape, us, nbytes)
-                # the public path per call, host time included: DispatchOutput.to_fp8_cols (host splits)
-                us = _call_us(lambda i, o=outs: o[i].to_fp8_cols(), ns, reps)
-                add(f"mxfp4_rows_to_fp8_cols op per call, dispatch output.to_fp8_cols(), {name}", shape, us, nbytes)
-                del outs, views
+                add(f"mxfp4_rows_to_fp8_cols dispatch segments, top-8 of {experts}, {name}", shape, us, nbytes)
+                # the planned op per call, host time included: splits as host ints, its plan kept (the
+                # path of DispatchOutput.to_fp8_cols)
+                planned = (dl.tolist(), do.tolist(), {})
+                us = _call_us(lambda i, v=rows, p=planned: ops.mxfp4_rows_to_fp8_cols_planned(v[i][0], v[i][1], *p),
+                              ns, reps)
+                add(f"mxfp4_rows_to_fp8_cols_planned per call, dispatch segments, {name}", shape, us, nbytes)
+                del rows
         # the public op per call, host time included (it reads the splits on the host): splits on the
         # device (the read waits for the device each call) against the same splits on the CPU
         for name, ls in ((f"{experts} experts", lens), (f"{experts} experts, 32-row starts", plens)):
