@@ -13,12 +13,12 @@
              is sync-free (fixed blocks, outputs sized for the worst case, DispatchHandle.check());
              make_backend picks the backend
   sms        the SM budget of the dispatch and combine kernels (Buffer(num_sms=...), set_num_sms)
-  autograd   dispatch_with_grad / combine_with_grad (BF16 or FP8 gradients)
+  autograd   dispatch_with_grad / combine_with_grad / row_weights_with_grad (BF16 or FP8 gradients)
   bench      `python -m moe_fp4 bench dispatch`
   testing    a pool of gloo/NCCL worker processes for multi-rank tests
 """
 
-from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad
+from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad, row_weights_with_grad
 from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, TorchDistributedBackend
 from moe_fp4.ep.buffer import Buffer, DispatchHandle, DispatchOutput, make_backend
 from moe_fp4.ep.layout import DispatchLayout, dispatch_layout, send_order
@@ -37,5 +37,5 @@ __all__ = [
     "AllToAllBackend", "BF16Payload", "Buffer", "DispatchHandle", "DispatchLayout", "DispatchOutput",
     "FP8Payload", "LocalBackend", "MXFP4Payload", "NVFP4Payload", "PAYLOADS", "PayloadCodec",
     "TorchDistributedBackend", "combine_with_grad", "dispatch_layout", "dispatch_with_grad", "get_payload",
-    "make_backend", "send_order", "SymmetricMemoryBackend",
+    "make_backend", "row_weights_with_grad", "send_order", "SymmetricMemoryBackend",
 ]

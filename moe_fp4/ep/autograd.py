@@ -4,8 +4,10 @@ dispatch_with_grad: the backward of a dispatch is an unweighted combine of the r
   (each token's gradient is the sum over its rows); combine_with_grad: the backward of a combine is
   a cached dispatch of the output gradient, multiplied by each row's top-k weight, plus the
   gradient of the weights (the dot product of the output gradient and each expert output row, sent
-  back to the token's rank). Gradients travel as ``backward_payload``: "bf16" (default) or "fp8";
-  MXFP4 only when asked for explicitly.
+  back to the token's rank); row_weights_with_grad: each dispatched row's top-k weight for expert
+  layers that apply the weights themselves, its backward the same path back to the tokens' ranks
+  (the combine is then unweighted and keeps nothing for backward). Gradients travel as
+  ``backward_payload``: "bf16" (default) or "fp8"; MXFP4 only when asked for explicitly.
 """
 
 from __future__ import annotations
@@ -64,13 +66,63 @@ def dispatch_with_grad(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor |
     return values, sink[0]
 
 
+def _token_weight_grads(buffer: Buffer, handle: DispatchHandle, row_grads: torch.Tensor) -> torch.Tensor:
+    """float32 [T, k], the gradient of the dispatched top-k weights from row_grads float32 [N], the
+    gradient of each output row's weight (each row carries one (token, slot)'s weight): scattered
+    per received (token, slot), sent back to the token's rank, added per token there."""
+    k = handle.num_topk
+    n_slots = handle.num_recv_tokens * k
+    per_slot = torch.zeros(n_slots + 1, dtype=torch.float32, device=row_grads.device)  # + 1: gap rows' sink
+    slot = handle.expand_row * k + handle.expand_slot
+    if handle.gap_rows is not None or handle.sync_free:  # rows of no slot: to the sink
+        slot = torch.where(handle.expand_row >= 0, slot, n_slots)
+    per_slot.scatter_(0, slot, row_grads)
+    per_slot = per_slot[:n_slots].reshape(-1, k)
+    back = torch.empty(sum(handle.send_counts), k, dtype=torch.float32, device=row_grads.device)
+    buffer.backend.all_to_all(back.view(torch.uint8), per_slot.view(torch.uint8),
+                              handle.send_counts, handle.recv_counts)
+    gw = torch.zeros(handle.num_tokens, k, dtype=torch.float32, device=row_grads.device)
+    gw.index_add_(0, handle.send_token, back)  # each (t, j) is nonzero on one rank only
+    return gw
+
+
+class _RowWeights(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, topk_weights, buffer, handle):
+        ctx.buffer, ctx.handle, ctx.w_dtype = buffer, handle, topk_weights.dtype
+        # rows of no slot (gaps, a sync-free dispatch's unused rows) weigh 0 whatever they hold
+        return torch.where(handle.expand_row >= 0, handle.row_weights, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _token_weight_grads(ctx.buffer, ctx.handle, grad.float()).to(ctx.w_dtype), None, None
+
+
+def row_weights_with_grad(buffer: Buffer, handle: DispatchHandle, topk_weights: torch.Tensor) -> torch.Tensor:
+    """float32 [N], the top-k weight of each output row of a dispatch (0 on rows of no slot), as a
+    differentiable function of the dispatched ``topk_weights`` [T, k]: an expert layer that applies
+    the weights itself (then ``combine_with_grad(..., weighted=False)``, which keeps no expert
+    output for backward) gets their gradient back to the tokens' ranks through it."""
+    if not isinstance(handle, DispatchHandle) or handle.row_weights is None:
+        raise ValueError("handle: expected the DispatchHandle of a dispatch given topk_weights")
+    if not isinstance(topk_weights, torch.Tensor) or tuple(topk_weights.shape) != (handle.num_tokens,
+                                                                                  handle.num_topk):
+        shape = tuple(topk_weights.shape) if isinstance(topk_weights, torch.Tensor) else type(topk_weights).__name__
+        raise ValueError(f"topk_weights: expected shape {(handle.num_tokens, handle.num_topk)} (the dispatched "
+                         f"weights), got {shape}")
+    return _RowWeights.apply(topk_weights, buffer, handle)
+
+
 class _Combine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, topk_weights, buffer, handle, weighted, payload, backward_payload, error):
         out = buffer._combine(y.detach() if isinstance(y, torch.Tensor) else y, handle, weighted, payload, error)
-        ctx.save_for_backward(y)
+        # the expert outputs are kept only for the weights' gradient
+        keep = weighted and isinstance(topk_weights, torch.Tensor) and topk_weights.requires_grad
+        ctx.save_for_backward(y if keep else None)
         ctx.buffer, ctx.handle, ctx.weighted, ctx.backward_payload = buffer, handle, weighted, backward_payload
         ctx.w_dtype = topk_weights.dtype if topk_weights is not None else None
+        ctx.y_dtype = y.dtype
         return out
 
     @staticmethod
@@ -83,23 +135,10 @@ class _Combine(torch.autograd.Function):
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
             gy = g * handle.row_weights.unsqueeze(1) if ctx.weighted else g
-            grad_y = gy.to(y.dtype)
+            grad_y = gy.to(ctx.y_dtype)
         if ctx.weighted and ctx.needs_input_grad[1]:
             dots = (g * y.detach().to(torch.float32)).sum(dim=1)  # d out_t / d w_tj = <grad_t, y_tj>
-            k = handle.num_topk
-            n_slots = handle.num_recv_tokens * k
-            per_slot = torch.zeros(n_slots + 1, dtype=torch.float32, device=g.device)  # + 1: gap rows' sink
-            slot = handle.expand_row * k + handle.expand_slot
-            if handle.gap_rows is not None or handle.sync_free:  # rows of no slot: to the sink
-                slot = torch.where(handle.expand_row >= 0, slot, n_slots)
-            per_slot.scatter_(0, slot, dots)
-            per_slot = per_slot[:n_slots].reshape(-1, k)
-            back = torch.empty(sum(handle.send_counts), k, dtype=torch.float32, device=g.device)
-            buffer.backend.all_to_all(back.view(torch.uint8), per_slot.view(torch.uint8),
-                                      handle.send_counts, handle.recv_counts)
-            gw = torch.zeros(handle.num_tokens, k, dtype=torch.float32, device=g.device)
-            gw.index_add_(0, handle.send_token, back)  # each (t, j) is nonzero on one rank only
-            grad_w = gw.to(ctx.w_dtype)
+            grad_w = _token_weight_grads(buffer, handle, dots).to(ctx.w_dtype)
         return grad_y, grad_w, None, None, None, None, None, None
 
 
@@ -131,4 +170,4 @@ def _check_payload(payload, name: str) -> ValueError | None:
     return None
 
 
-__all__ = ["dispatch_with_grad", "combine_with_grad"]
+__all__ = ["dispatch_with_grad", "combine_with_grad", "row_weights_with_grad"]
