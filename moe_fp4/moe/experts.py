@@ -58,7 +58,7 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, offs, lens, weights, x_fp8, x_mxfp4, save):
+    def forward(ctx, x, w1, w2, offs, lens, weights, x_fp8, x_mxfp4, save, row_weights):
         w1_8, w1_s, w1_t, w1_ts, w2_8, w2_s, w2_t, w2_ts = weights
         x_cols = None
         if x_fp8 is None:
@@ -69,7 +69,7 @@ class _ExpertsFunction(torch.autograd.Function):
         else:
             x8, xs = x_fp8
         y1 = grouped_gemm_fp8(x8, xs, w1_8, w1_s, offs, lens, validate=False, tile_aligned=True)
-        h = _swiglu(y1)
+        h = _swiglu(y1, row_weights)
         h8, hs = ops.quantize_fp8_blockwise(h)
         y = grouped_gemm_fp8(h8, hs, w2_8, w2_s, offs, lens, validate=False, tile_aligned=True)
 
@@ -86,7 +86,7 @@ class _ExpertsFunction(torch.autograd.Function):
         else:
             saved_x = (x8, xs)
             saved_y1 = ()
-        ctx.save_for_backward(offs, lens, *weights, *saved_x, *saved_y1)
+        ctx.save_for_backward(offs, lens, row_weights, *weights, *saved_x, *saved_y1)
         ctx.layout = (len(saved_x), len(saved_y1), x_cols is not None)
         ctx.save, ctx.x_dtype, ctx.hidden = save, x.dtype, x.shape[1]
         ctx.w_dtypes = (w1.dtype, w2.dtype)
@@ -94,7 +94,7 @@ class _ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        offs, lens, w1_8, w1_s, w1_t, w1_ts, w2_8, w2_s, w2_t, w2_ts, *rest = ctx.saved_tensors
+        offs, lens, row_weights, w1_8, w1_s, w1_t, w1_ts, w2_8, w2_s, w2_t, w2_ts, *rest = ctx.saved_tensors
         n_x, n_y1, x_as_cols = ctx.layout
         saved_x, saved_y1 = rest[:n_x], rest[n_x:n_x + n_y1]
         save = ctx.save
@@ -111,10 +111,10 @@ class _ExpertsFunction(torch.autograd.Function):
                                   tile_aligned=True)
 
         dy8, dys, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy.to(torch.bfloat16))
-        h_t, h_ts = _cols(_swiglu(y1))
+        h_t, h_ts = _cols(_swiglu(y1, row_weights))
         dw2 = grouped_gemm_fp8_wgrad(dy_t, dy_ts, h_t, h_ts, offs, lens, out_dtype=ctx.w_dtypes[1], validate=False)
         dh = grouped_gemm_fp8(dy8, dys, w2_t, w2_ts, offs, lens, validate=False, tile_aligned=True)
-        dy1 = _swiglu_backward(dh, y1)
+        dy1, d_row_weights = _swiglu_backward(dh, y1, row_weights)
         del dh, y1
         d8, ds, d_t, d_ts = ops.quantize_fp8_rows_cols(dy1)
         dx = grouped_gemm_fp8(d8, ds, w1_t, w1_ts, offs, lens, validate=False, tile_aligned=True) \
@@ -135,7 +135,7 @@ class _ExpertsFunction(torch.autograd.Function):
                                      out_dtype=ctx.w_dtypes[0], validate=False)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
-        return (dx, dw1, dw2, None, None, None, None, None, None)
+        return (dx, dw1, dw2, None, None, None, None, None, None, d_row_weights)
 
 
 class Experts(torch.nn.Module):
@@ -191,7 +191,8 @@ class Experts(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, split_offsets: torch.Tensor, split_lens: torch.Tensor, *,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
-                x_mxfp4: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True) -> torch.Tensor:
+                x_mxfp4: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
+                row_weights: torch.Tensor | None = None) -> torch.Tensor:
         """bfloat16 [M, H]: each expert's MLP on its rows of x (rows of no expert: zero).
 
         x: bfloat16/float32 [M, H], the expert rows (the gradient of the input flows to it);
@@ -202,7 +203,9 @@ class Experts(torch.nn.Module):
         x_mxfp4: (uint8 [M, H/2], uint8 [M, H/32]), the MXFP4 of x when the caller has it (the
           dispatch's rows, ``formats.unpack_mxfp4_rows``): what save="mxfp4" keeps;
         validate: check the splits on the host (one synchronisation); False for sync-free callers
-          (invalid splits then give an unspecified result)."""
+          (invalid splits then give an unspecified result);
+        row_weights: float32 [M], a weight per row applied to the SwiGLU output (before the down
+          projection): the routing weights (``moe_fp4.ep.row_weights_with_grad``), differentiable."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden \
                 or x.dtype not in (torch.bfloat16, torch.float32):
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
@@ -229,8 +232,13 @@ class Experts(torch.nn.Module):
                 if e and o < bounds[e - 1][1]:
                     raise ValueError(f"split_offsets: expert {e} starts at row {o}, before expert {e - 1} ends "
                                      f"(row {bounds[e - 1][1]}); experts' rows must follow in expert order")
+        if row_weights is not None and (not isinstance(row_weights, torch.Tensor) or row_weights.dtype != torch.float32
+                                        or tuple(row_weights.shape) != (m,) or row_weights.device != x.device):
+            got = f"{row_weights.dtype} {tuple(row_weights.shape)} on {row_weights.device}" \
+                if isinstance(row_weights, torch.Tensor) else type(row_weights).__name__
+            raise ValueError(f"row_weights: expected a float32 tensor [{m}] on {x.device}, got {got}")
         return _ExpertsFunction.apply(x, self.w1, self.w2, split_offsets, split_lens, self.fp8_weights(), x_fp8,
-                                      x_mxfp4, self.save)
+                                      x_mxfp4, self.save, row_weights)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
