@@ -169,6 +169,29 @@ def test_activation_checkpointing_gives_the_same_result(policy):
         assert torch.equal(a, p.grad)
 
 
+@pytest.mark.parametrize("policy", ["fp8", "mxfp4"])
+def test_layer_keeps_no_expert_outputs_or_float32_input(policy):
+    """What forward keeps for backward: the top-k weights are applied inside the experts, so no
+    saved tensor holds expert output rows (the combine keeps nothing) and the router keeps its input
+    as given, not a float32 copy; the FP8 policies keep no H-wide BF16/float32 rows but the input."""
+    torch.manual_seed(SEED + 5)
+    layer = MoELayer(H, I, E, K, policy=policy, dtype=torch.float32)
+    x = torch.randn(64, H, dtype=torch.bfloat16, requires_grad=True)
+    wide = []
+
+    def pack(t):
+        if t.dim() == 2 and t.shape[1] == H and t.dtype in (torch.bfloat16, torch.float32) \
+                and not isinstance(t, torch.nn.Parameter) and t.data_ptr() != x.data_ptr():
+            wide.append((t.dtype, tuple(t.shape)))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = layer(x)
+    assert not wide, f"{policy}: H-wide rows kept for backward: {wide}"
+    y.float().sum().backward()
+    assert x.grad is not None and layer.router.weight.grad is not None
+
+
 def test_router_options():
     torch.manual_seed(SEED + 3)
     x = torch.randn(40, H)

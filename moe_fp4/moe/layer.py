@@ -7,8 +7,14 @@ Policies (what travels, what computes, what backward keeps):
   "fp8-recompute"  FP8 1x128 dispatch, FP8 experts recomputed in backward (only their input saved)
   "mxfp4"          MXFP4 dispatch, FP8 experts, MXFP4 saved (the dispatched rows themselves; the
                    weight gradient's input operand from FP4RowToFP8Col)
-Gradients return through a BF16 combine and dispatch (``moe_fp4.ep.autograd``); the combine of the
-expert outputs travels as BF16.
+Every policy applies the top-k weights inside the experts, to the SwiGLU output before the down
+projection (``moe_fp4.ep.row_weights_with_grad`` gives each dispatched row its weight, with the
+gradient path back to the router): the combine is then an unweighted sum that keeps nothing for
+backward (a weighted combine would keep every expert output row, H wide in BF16, for the weights'
+gradient), and the weights' gradient is each row's dot product of the down projection's input
+gradient and the unweighted SwiGLU output. The router keeps its input as given (not a float32 copy)
+for its weight gradient. Gradients return through a BF16 combine and dispatch
+(``moe_fp4.ep.autograd``); the combine of the expert outputs travels as BF16.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_fp4 import formats
-from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
+from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad, row_weights_with_grad
 from moe_fp4.ep.backends import LocalBackend
 from moe_fp4.moe.experts import ALIGN, Experts
 
@@ -64,7 +70,7 @@ class Router(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_idx int64 [T, k], topk_weights float32 [T, k])."""
-        logits = F.linear(x.float(), self.weight)
+        logits = _RouterLogits.apply(x, self.weight)
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         choose = scores.detach() if self.bias is None else scores.detach() + self.bias
         if self.num_groups is not None:
@@ -79,6 +85,23 @@ class Router(torch.nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return idx, weights * self.route_scale
+
+
+class _RouterLogits(torch.autograd.Function):
+    """x @ weight^T in float32, keeping x as given for backward (F.linear on x.float() would keep a
+    float32 copy of the layer input, twice the size of a BF16 one, per layer)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x.float() @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
+        dw = grad.t() @ x.float() if ctx.needs_input_grad[1] else None
+        return dx, dw
 
 
 class BF16Experts(torch.nn.Module):
@@ -98,14 +121,16 @@ class BF16Experts(torch.nn.Module):
             self.w1.normal_(0.0, 1.0 / math.sqrt(self.hidden))
             self.w2.normal_(0.0, 1.0 / math.sqrt(self.intermediate))
 
-    def forward(self, x, split_offsets, split_lens, **_):
+    def forward(self, x, split_offsets, split_lens, row_weights=None, **_):
         # torch's groups run back to back (group e ends at ends[e]): the gap rows before an expert's
         # rows are computed with its weights; they belong to no token and get no gradient
         ends = (split_offsets + split_lens).to(torch.int32)
         y1 = torch._grouped_mm(x.to(torch.bfloat16), self.w1.to(torch.bfloat16).transpose(-2, -1), offs=ends)
         gate, up = y1.float().chunk(2, dim=-1)
-        h = (F.silu(gate) * up).to(torch.bfloat16)
-        return torch._grouped_mm(h, self.w2.to(torch.bfloat16).transpose(-2, -1), offs=ends)
+        h = F.silu(gate) * up
+        if row_weights is not None:
+            h = h * row_weights.unsqueeze(1)
+        return torch._grouped_mm(h.to(torch.bfloat16), self.w2.to(torch.bfloat16).transpose(-2, -1), offs=ends)
 
 
 class SharedExpert(torch.nn.Module):
@@ -175,8 +200,9 @@ class MoELayer(torch.nn.Module):
             if self.policy == "mxfp4":
                 extra["x_mxfp4"] = formats.unpack_mxfp4_rows(out.rows, self.hidden)
             extra["validate"] = False  # (the dispatch's own splits: aligned and inside the rows)
-        y = self.experts(values, out.split_offsets, out.split_lens, **extra)
-        z = combine_with_grad(self.buffer, y, out.handle, weights)
+        row_weights = row_weights_with_grad(self.buffer, out.handle, weights)
+        y = self.experts(values, out.split_offsets, out.split_lens, row_weights=row_weights, **extra)
+        z = combine_with_grad(self.buffer, y, out.handle, weighted=False)
         if self.shared is not None:
             z = z + self.shared(flat).to(z.dtype)
         return z.reshape(shape)
