@@ -209,7 +209,7 @@ def test_rows_to_fp8_spec_path_and_errors():
     with pytest.raises(ValueError, match="rows"):
         ops.nvfp4_rows_to_fp8_blockwise(rows.to(torch.int32), 256)
     plain = _spec_rows(torch.randn(9, 256))  # no NaN: opcheck compares outputs with ==
-    torch.library.opcheck(torch.ops.moe_fp4.nvfp4_rows_to_fp8.default, (plain, 256))
+    torch.library.opcheck(torch.ops.moe_fp4.nvfp4_rows_to_fp8_blockwise.default, (plain, 256))
 
 
 @pytest.mark.gpu

@@ -501,7 +501,7 @@ def _(x):
     return x.new_empty((t, formats.nvfp4_row_bytes(h)), dtype=torch.uint8)
 
 
-@_custom_op("nvfp4_rows_to_fp8")
+@_custom_op("nvfp4_rows_to_fp8_blockwise")
 def nvfp4_rows_to_fp8_blockwise_op(rows: torch.Tensor, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
     if _native_rows(rows):
         return _native.module().nvfp4_rows_to_fp8_blockwise(rows, hidden)
