@@ -142,13 +142,12 @@ def _check_destinations(dests, rows, want, fill, what):
         assert bool((dest[untouched] == fill).all()), f"{what}: destination {d} rows nobody targets were written"
 
 
-@pytest.mark.parametrize("bulk", [True, False])
 @pytest.mark.parametrize("round_up", [True, False])
 @pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 96, False), (300, 2048, False)])
-def test_quantize_mxfp4_rows_multi(t, h, dense, round_up, bulk):
+def test_quantize_mxfp4_rows_multi(t, h, dense, round_up):
     """Each token's byte row written to several destinations at once equals the spec's row, in every
     destination that takes it (8 destinations: the most the kernel takes; an unaligned one too, which
-    turns bulk copies off for that launch; H = 96: rows of 51 bytes, never bulk)."""
+    takes byte stores; H = 96: rows of 51 bytes)."""
     x = _float_input(t, h, torch.bfloat16)
     rounding = "up" if round_up else "down"
     want = formats.pack_mxfp4_rows(*formats.quantize_mxfp4(x, scale_rounding=rounding))
@@ -161,8 +160,8 @@ def test_quantize_mxfp4_rows_multi(t, h, dense, round_up, bulk):
             raw = torch.full((caps[-1] * width + 1,), 0x5A, dtype=torch.uint8, device="cuda")
             dests[-1] = raw[1:].view(caps[-1], width)
         blocks = {1: None, 2: 1, 8: 5}[num]  # one block striding over every token; a few
-        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding, bulk_stores=bulk, max_blocks=blocks)
-        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}, bulk={bulk}, blocks={blocks}")
+        ops.quantize_mxfp4_rows_multi(x, dests, rows, scale_rounding=rounding, max_blocks=blocks)
+        _check_destinations(dests, rows, want, 0x5A, f"{num} destinations, {rounding}, blocks={blocks}")
 
 
 def test_quantize_mxfp4_rows_multi_other_dtypes_and_errors():
@@ -188,9 +187,8 @@ def _spec_fp8_rows(x):
     return torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1)
 
 
-@pytest.mark.parametrize("bulk", [True, False])
 @pytest.mark.parametrize("t,h,dense", [(4096, 7168, True), (1000, 7168, False), (7, 128, False), (300, 2048, False)])
-def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
+def test_quantize_fp8_blockwise_rows_multi(t, h, dense):
     """FP8 1x128 byte rows [E4M3 | FP32 scales] to several destinations equal the spec's, in every
     destination that takes the token (shared-memory staging above 48 KB at 8 warps for H = 7168)."""
     x = _float_input(t, h, torch.bfloat16)
@@ -203,8 +201,8 @@ def test_quantize_fp8_blockwise_rows_multi(t, h, dense, bulk):
             raw = torch.full((caps[-1] * want.shape[1] + 4,), 0x5A, dtype=torch.uint8, device="cuda")
             dests[-1] = raw[4:].view(caps[-1], want.shape[1])
         blocks = {1: None, 2: 1, 8: 5}[num]
-        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows, bulk_stores=bulk, max_blocks=blocks)
-        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations, bulk={bulk}, blocks={blocks}")
+        ops.quantize_fp8_blockwise_rows_multi(x, dests, rows, max_blocks=blocks)
+        _check_destinations(dests, rows, want, 0x5A, f"fp8 rows to {num} destinations, blocks={blocks}")
     # float32 input: quantize, then the push
     xf = _float_input(64, h, torch.float32)
     want = _spec_fp8_rows(xf)

@@ -259,10 +259,10 @@ def test_opcheck_cpu():
         (_ops.quantize_fp8_blockwise_op, (x,)),
         (_ops.dequantize_mxfp4_op, (packed, scales, torch.bfloat16)),
         (_ops.scatter_rows_op, (rows, [_u8(5, 68), _u8(3, 68)], torch.tensor([[4, 0], [-1, 2], [0, 1], [2, 3]]), 0)),
-        (_ops.quantize_mxfp4_rows_multi_op, (x, "down", [_u8(6, 68)], torch.tensor([[5], [0], [-1], [3]]), False, 1,
-                                             -1, None, None, None)),
+        (_ops.quantize_mxfp4_rows_multi_op, (x, "down", [_u8(6, 68)], torch.tensor([[5], [0], [-1], [3]]), 1, -1,
+                                             None, None, None)),
         (_ops.quantize_fp8_blockwise_rows_multi_op, (x, [_u8(4, 132), _u8(2, 132)],
-                                                     torch.tensor([[3, 1], [2, -1], [1, 0], [0, 5]]), True, 0)),
+                                                     torch.tensor([[3, 1], [2, -1], [1, 0], [0, 5]]), 0)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)

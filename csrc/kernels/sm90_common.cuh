@@ -73,7 +73,7 @@ __device__ __forceinline__ uint32_t e4m3_scale_byte(uint32_t amax_bits) {
 }
 
 // Makes this thread's shared-memory writes visible to the copy engine (the async proxy) before a
-// bulk or tensor copy reads them; a barrier then orders them before the thread that issues the copy.
+// tensor copy reads them; a barrier then orders them before the thread that issues the copy.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
 // Lane-wise unsigned maximum / minimum of two pairs of 16-bit values (one instruction on sm_90).

@@ -33,10 +33,6 @@ struct RowDestinations {
   const long long* rows;                    // int64 [T, num]: the row of each (token, destination)
   int num;                                  // destinations in use, 0..kMaxRowDestinations (0: none)
   long long row_bytes;                      // bytes between rows, the same in every destination
-  bool bulk;                                // store rows with the bulk copy engine (cp.async.bulk) where
-                                            // every address and row_bytes are 16-byte multiples
-  int staged_per_warp;                      // set by the launcher: rows staged per warp for bulk
-                                            // stores (1 or 2), 0 for plain stores
   int max_blocks;                           // > 0: launch at most this many thread blocks (their warps
                                             // stride over the rows), leaving the other SM slots to
                                             // kernels of other streams; 0: fill the GPU

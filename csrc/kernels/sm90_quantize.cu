@@ -209,66 +209,24 @@ __device__ __forceinline__ void store_staged_row(const uint8_t* row, uint8_t* ds
   }
 }
 
-// Dynamic shared memory of the multi-destination kernels: one staged row per warp (two with bulk stores).
+// Dynamic shared memory of the multi-destination kernels: one staged row per warp.
 __host__ __device__ inline size_t staged_row_pitch(long long row_bytes) { return static_cast<size_t>((row_bytes + 15) / 16 * 16); }
 
-// The warp's staged row for its next token: with two rows per warp (bulk stores), the one the copy
-// engine is not reading; lane 0 waits until the copies issued from it have read it.
-__device__ __forceinline__ uint8_t* next_staged_row(const RowDestinations& ds, int phase) {
+// The warp's staged row.
+__device__ __forceinline__ uint8_t* warp_staged_row(const RowDestinations& ds) {
   extern __shared__ __align__(16) uint8_t staged_rows[];
-  const int per_warp = ds.staged_per_warp > 1 ? 2 : 1;
-  const size_t pitch = staged_row_pitch(ds.row_bytes);
-  return staged_rows + ((threadIdx.x >> 5) * per_warp + (per_warp > 1 ? phase : 0)) * pitch;
+  return staged_rows + (threadIdx.x >> 5) * staged_row_pitch(ds.row_bytes);
 }
 
-__device__ __forceinline__ void wait_staged_row_free(const RowDestinations& ds, int lane) {
-  if (ds.staged_per_warp > 0) {
-    if (lane == 0) {
-      if (ds.staged_per_warp > 1) {
-        asm volatile("cp.async.bulk.wait_group.read 1;" ::: "memory");  // the other row's copies may run on
-      } else {
-        asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
-      }
-    }
-    __syncwarp();
-  }
-}
-
-// Token t's staged row (complete in shared memory) to every destination that takes it: plain 16-byte
-// stores by the warp, or bulk copies issued by lane 0 (asynchronous: the warp goes on to the next
-// token while the copy engine writes, peers' rows over NVLink; they measured no faster, so the
-// caller's default is the stores).
-// Returns the next phase.
-__device__ __forceinline__ int push_staged_row(const RowDestinations& ds, long long t, const uint8_t* staged, int lane,
-                                               int phase) {
-  if (ds.staged_per_warp > 0) {
-    fence_proxy_async_shared();  // this lane's stores, seen by the copy engine
-    __syncwarp();
-    if (lane == 0) {
-      const uint32_t src = static_cast<uint32_t>(__cvta_generic_to_shared(staged));
-      for (int d = 0; d < ds.num; ++d) {
-        const long long r = destination_row(ds, t, d);
-        if (r < 0) continue;
-        uint8_t* dst = destination_base(ds, d) + r * ds.row_bytes;
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-                     :: "l"(dst), "r"(src), "r"(static_cast<uint32_t>(ds.row_bytes)) : "memory");
-      }
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-    }
-    return ds.staged_per_warp > 1 ? phase ^ 1 : phase;
-  }
+// Token t's staged row (complete in shared memory) to every destination that takes it, by the warp's
+// stores.
+__device__ __forceinline__ void push_staged_row(const RowDestinations& ds, long long t, const uint8_t* staged, int lane) {
   __syncwarp();  // the staged row is complete
   for (int d = 0; d < ds.num; ++d) {  // (the rows again: an L1 hit, fewer live registers)
     const long long r = destination_row(ds, t, d);
     if (r >= 0) store_staged_row(staged, destination_base(ds, d) + r * ds.row_bytes, ds.row_bytes, lane);
   }
   __syncwarp();  // every lane has read the staged row before the next token overwrites it
-  return phase;
-}
-
-// End of a multi-destination kernel: the copy engine has finished every copy issued by this lane.
-__device__ __forceinline__ void finish_staged_rows(const RowDestinations& ds, int lane) {
-  if (ds.staged_per_warp > 0 && lane == 0) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
 // kRoundUp: "up" scale rounding (every scaled value at most 6: no saturation step), else "down".
@@ -294,13 +252,12 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
   const uintptr_t obase = reinterpret_cast<uintptr_t>(p.packed);
   const bool aligned8 = kMulti || (((p.packed_stride & 7) == 0) && ((obase & 7) == 0));
   const bool aligned4 = kMulti || (((p.packed_stride & 3) == 0) && ((obase & 3) == 0));
-  int phase = 0;  // kMulti: which of the warp's staged rows the next token uses
   for (long long t = warp; t < p.tokens; t += num_warps) {
     long long orow = 0;
     uint8_t* staged = nullptr;
     if constexpr (kMulti) {
       if (!destination_mask(p.dests, t)) continue;  // the same for the whole warp
-      staged = next_staged_row(p.dests, phase);
+      staged = warp_staged_row(p.dests);
     } else {
       orow = p.row_index ? load_index(p.row_index, p.row_index_is64, t) : t;
       if (orow < 0 || orow >= p.out_rows) continue;  // the same for the whole warp
@@ -320,9 +277,6 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
         } else {
           raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
         }
-      }
-      if constexpr (kMulti) {
-        if (base == 0) wait_staged_row_free(p.dests, lane);  // (the first loads are in flight)
       }
 #pragma unroll
       for (int u = 0; u < kBf16Unroll; ++u) {
@@ -369,7 +323,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
         if (b < items / 2) srow[b] = static_cast<uint8_t>(lane < 16 ? first : second);
       }
     }
-    if constexpr (kMulti) phase = push_staged_row(p.dests, t, staged, lane, phase);
+    if constexpr (kMulti) push_staged_row(p.dests, t, staged, lane);
     if constexpr (kExpand) {
       const long long r = destination_row(p.dests, t, p.fp8_dest);
       if (r >= 0) {  // (the same for the whole warp)
@@ -384,7 +338,6 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_mxfp4_bf16_kernel(cons
       __syncwarp();  // every lane has read the staged row before the next token overwrites it
     }
   }
-  if constexpr (kMulti) finish_staged_rows(p.dests, lane);
 }
 
 // kMulti: byte rows [H E4M3 | H/128 FP32 scales] staged in shared memory (one per warp), then stored
@@ -402,7 +355,6 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
   constexpr int kChunk = 32 * kUnroll;
   const int chunks = (items + kChunk - 1) / kChunk;
   const int parts = kMulti ? 1 : p.row_parts;
-  int phase = 0;  // kMulti: which of the warp's staged rows the next token uses
   for (long long unit = warp; unit < p.tokens * parts; unit += num_warps) {
     const long long t = unit / parts;
     const int part = static_cast<int>(unit - t * parts);
@@ -410,7 +362,7 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
     uint8_t* staged = nullptr;
     if constexpr (kMulti) {
       if (!destination_mask(p.dests, t)) continue;  // the same for the whole warp
-      staged = next_staged_row(p.dests, phase);
+      staged = warp_staged_row(p.dests);
     }
     const void* xrow = static_cast<const char*>(p.x) + static_cast<size_t>(t) * p.x_stride * elem;
     uint8_t* orow = kMulti ? staged : p.out + t * p.hidden;
@@ -426,9 +378,6 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
           raw[u][0] = raw[u][1] = make_uint4(0, 0, 0, 0);
         }
       }
-      if constexpr (kMulti) {
-        if (base == 0) wait_staged_row_free(p.dests, lane);  // (the first loads are in flight)
-      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int item = base + u * 32 + lane;
@@ -442,9 +391,8 @@ __global__ void __launch_bounds__(kThreads) sm90_quantize_fp8_blockwise_kernel(c
         }
       }
     }
-    if constexpr (kMulti) phase = push_staged_row(p.dests, t, staged, lane, phase);
+    if constexpr (kMulti) push_staged_row(p.dests, t, staged, lane);
   }
-  if constexpr (kMulti) finish_staged_rows(p.dests, lane);
 }
 
 // Byte rows to several destinations, one warp per row, V-sized accesses (V: uint4, uint32_t or uint8_t,
@@ -491,19 +439,12 @@ int grid_for_rows(Kernel kernel, long long rows, size_t smem = 0, int max_blocks
 }
 
 // Launch of a multi-destination kernel: one staged row per warp in dynamic shared memory.
-// Bulk stores need 16-byte multiples everywhere; two staged rows per warp while a block's rows fit
-// in 100 KB (two blocks per SM), else one.
 template <typename Kernel, typename Params>
 cudaError_t launch_staged(Kernel kernel, const Params& p, long long rows, long long row_bytes, cudaStream_t stream) {
-  Params q = p;
-  const size_t pitch = staged_row_pitch(row_bytes);
-  bool bulk = q.dests.bulk && row_bytes % 16 == 0;
-  for (int d = 0; d < q.dests.num; ++d) bulk = bulk && (reinterpret_cast<uintptr_t>(q.dests.base[d]) & 15) == 0;
-  q.dests.staged_per_warp = bulk ? ((kThreads / 32) * 2 * pitch <= 100 * 1024 ? 2 : 1) : 0;
-  const size_t smem = (kThreads / 32) * pitch * (q.dests.staged_per_warp > 1 ? 2 : 1);
+  const size_t smem = (kThreads / 32) * staged_row_pitch(row_bytes);
   const cudaError_t err = allow_dynamic_smem(kernel, smem);  // fails past the device's limit
   if (err != cudaSuccess) return err;
-  kernel<<<grid_for_rows(kernel, rows, smem, q.dests.max_blocks), kThreads, smem, stream>>>(q);
+  kernel<<<grid_for_rows(kernel, rows, smem, p.dests.max_blocks), kThreads, smem, stream>>>(p);
   return cudaSuccess;
 }
 

@@ -235,14 +235,13 @@ moe_fp4::RowDestinations row_destinations(const std::vector<Tensor>& dests, cons
 // `width` bytes stored into every destination that takes them.
 template <typename Params>
 Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows, int64_t width,
-                         bool bulk, int64_t max_blocks) {
+                         int64_t max_blocks) {
   const int64_t max_width = moe_fp4::max_staged_row_bytes();
   TORCH_CHECK(width <= max_width, "x: rows of ", x.size(1), " elements make ", width,
               "-byte rows; the multi-destination kernels stage 8 rows per block in shared memory, at most ",
               max_width, " bytes per row on this device");
   Params p{};
   p.dests = row_destinations(dests, dest_rows, x, x.size(0), width, max_blocks);
-  p.dests.bulk = bulk;
   p.x = x.data_ptr();
   p.x_type = moe_fp4::FloatInput::kBFloat16;
   p.x_stride = x.stride(0);
@@ -251,19 +250,18 @@ Params multi_rows_params(const Tensor& x, const std::vector<Tensor>& dests, cons
   return p;
 }
 
-// x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it (bulk:
-// by the copy engine where the addresses allow it, else by 16-byte stores).
+// x [T, H] bfloat16 -> each token's MXFP4 byte row written to every destination that takes it.
 // With fp8_out: the rows stored to dests[fp8_dest] are also converted to FP8 1x128 and written to the
 // rows fp8_slots[r, :] of (fp8_out, fp8_scales), r the token's row in that destination.
 void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector<Tensor>& dests,
-                               const Tensor& dest_rows, bool bulk, int64_t max_blocks, int64_t fp8_dest,
+                               const Tensor& dest_rows, int64_t max_blocks, int64_t fp8_dest,
                                const c10::optional<Tensor>& fp8_slots, const c10::optional<Tensor>& fp8_out,
                                const c10::optional<Tensor>& fp8_scales) {
   check_float_rows(x, 32);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto p = multi_rows_params<moe_fp4::QuantizeMxfp4Params>(x, dests, dest_rows, h / 2 + h / 32, bulk, max_blocks);
+  auto p = multi_rows_params<moe_fp4::QuantizeMxfp4Params>(x, dests, dest_rows, h / 2 + h / 32, max_blocks);
   p.round_up = round_up;
   if (fp8_out.has_value()) {
     TORCH_CHECK(fp8_slots.has_value() && fp8_scales.has_value(), "fp8_out: needs fp8_slots and fp8_scales");
@@ -288,12 +286,12 @@ void quantize_mxfp4_rows_multi(const Tensor& x, bool round_up, const std::vector
 // x [T, H] bfloat16, H % 128 == 0 -> each token's FP8 1x128 byte row [H E4M3 | H/128 FP32 scales]
 // written to every destination that takes it.
 void quantize_fp8_blockwise_rows_multi(const Tensor& x, const std::vector<Tensor>& dests, const Tensor& dest_rows,
-                                       bool bulk, int64_t max_blocks) {
+                                       int64_t max_blocks) {
   check_float_rows(x, 128);
   MOE_FP4_CHECK_DTYPE(x, at::kBFloat16, "x");
   const int64_t h = x.size(1);
   const c10::cuda::CUDAGuard guard(x.device());
-  const auto p = multi_rows_params<moe_fp4::QuantizeFp8BlockwiseParams>(x, dests, dest_rows, h + 4 * (h / 128), bulk, max_blocks);
+  const auto p = multi_rows_params<moe_fp4::QuantizeFp8BlockwiseParams>(x, dests, dest_rows, h + 4 * (h / 128), max_blocks);
   check_launch(moe_fp4::launch_quantize_fp8_blockwise(p, c10::cuda::getCurrentCUDAStream()),
                "quantize_fp8_blockwise_rows_multi");
 }
@@ -816,12 +814,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("round_up"), py::arg("out"), py::arg("row_index"));
   m.def("quantize_mxfp4_rows_multi", &quantize_mxfp4_rows_multi,
         "x [T,H] bfloat16 -> MXFP4 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0,
+        py::arg("round_up"), py::arg("dests"), py::arg("dest_rows"), py::arg("max_blocks") = 0,
         py::arg("fp8_dest") = -1, py::arg("fp8_slots") = py::none(), py::arg("fp8_out") = py::none(),
         py::arg("fp8_scales") = py::none());
   m.def("quantize_fp8_blockwise_rows_multi", &quantize_fp8_blockwise_rows_multi,
         "x [T,H] bfloat16 -> FP8 1x128 byte rows written to dests[d] at dest_rows[t, d]", py::arg("x"),
-        py::arg("dests"), py::arg("dest_rows"), py::arg("bulk"), py::arg("max_blocks") = 0);
+        py::arg("dests"), py::arg("dest_rows"), py::arg("max_blocks") = 0);
   m.def("scatter_rows", &scatter_rows, "byte rows src [T,B] copied to dests[d] at dest_rows[t, d]", py::arg("src"),
         py::arg("dests"), py::arg("dest_rows"), py::arg("max_blocks") = 0);
   m.def("mxfp4_to_fp8_blockwise", &mxfp4_to_fp8_blockwise, "MXFP4 -> FP8 1x128 rows", py::arg("packed"),

@@ -43,13 +43,11 @@ Environment variables:
                          with a warning; 0: always the spec; 1: a failed build raises
   MOE_FP4_BUILD_VERBOSE  1: print the compiler commands while building
   MOE_FP4_CSRC           the csrc/ folder to build from (default: the one beside the package)
-  MOE_FP4_PUSH_BULK      0 (default): the multi-destination quantizers write rows with the warps'
-                         16-byte stores; 1: with the bulk copy engine where addresses allow it
   MOE_FP4_COLUMN_BOX_STORE  unset (default): the one-pass column kernel writes each whole 128-row
                          tile by one tensor copy; 0: every tile by the threads' 16-byte stores (for
                          compute-sanitizer's initcheck, blind to the copy engine)
-Each is read once per process: MOE_FP4_PUSH_BULK at import, MOE_FP4_NATIVE and MOE_FP4_COLUMN_BOX_STORE
-at their first use, the build variables when the extension is built.
+Each is read once per process: MOE_FP4_NATIVE and MOE_FP4_COLUMN_BOX_STORE at their first use, the
+build variables when the extension is built.
 
 Ragged segments (``split_lens`` / ``split_offsets``, int32 or int64 [E] on the input's device): rows
 [offsets[e], offsets[e] + lens[e]) belong to expert e; offsets None means back to back from row 0.
@@ -58,8 +56,6 @@ group count for its output shape and reads the lengths on the host once.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -265,7 +261,6 @@ def quantize_mxfp4_rows_multi(
     dest_rows: torch.Tensor,
     *,
     scale_rounding: str = "up",
-    bulk_stores: bool | None = None,
     max_blocks: int | None = None,
     fp8_dest: int | None = None,
     fp8_slots: torch.Tensor | None = None,
@@ -283,11 +278,6 @@ def quantize_mxfp4_rows_multi(
       dest_rows[t, d] of dests[d]; a negative row (or one >= R_d) is skipped. Rows of one destination
       must be distinct (not checked: that would synchronise).
     scale_rounding: "up" or "down", as in quantize_mxfp4.
-    bulk_stores: each encoded row (staged in shared memory) is written by the bulk copy engine
-      (cp.async.bulk, asynchronous: the warp encodes the next token meanwhile) where every address and
-      the row size are 16-byte multiples, else by 16-byte stores of the warp; None: MOE_FP4_PUSH_BULK
-      (default 0: the warp's stores, 8% faster for 16384 DeepSeek-V3 tokens to 2 H200s; the bulk
-      copies were no faster for FP8 rows either). The bytes are the same either way.
     max_blocks: launch at most this many thread blocks of 256 threads (their warps stride over the
       tokens), so kernels on other streams find free SM slots while this one runs (the dispatch gives
       a push over NVLink part of the GPU and converts its own rows beside it); None: fill the GPU.
@@ -319,8 +309,8 @@ def quantize_mxfp4_rows_multi(
                              f"{tuple(fp8_slots.shape)} strides {fp8_slots.stride()}")
         data, scales = _fp8_pair(fp8_out, h, x, "fp8_out")
         expand = (fp8_dest, fp8_slots, data, scales)
-    _ops.call(_ops.quantize_mxfp4_rows_multi_op, x, scale_rounding, list(dests), dest_rows, _bulk(bulk_stores),
-              _max_blocks(max_blocks), *expand)
+    _ops.call(_ops.quantize_mxfp4_rows_multi_op, x, scale_rounding, list(dests), dest_rows, _max_blocks(max_blocks),
+              *expand)
 
 
 def _fp8_pair(out, hidden, ref, name):
@@ -350,19 +340,8 @@ def _max_blocks(max_blocks):
     return max_blocks
 
 
-_PUSH_BULK = os.environ.get("MOE_FP4_PUSH_BULK", "0") == "1"  # read once per process
-
-
-def _bulk(bulk_stores):
-    if bulk_stores is None:
-        return _PUSH_BULK
-    if not isinstance(bulk_stores, bool):
-        raise ValueError(f"bulk_stores: expected True, False or None, got {bulk_stores!r}")
-    return bulk_stores
-
-
 def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,
-                                      bulk_stores: bool | None = None, max_blocks: int | None = None) -> None:
+                                      max_blocks: int | None = None) -> None:
     """quantize_fp8_blockwise to several destinations at once, as byte rows: each token's H E4M3
     bytes followed by its H/128 FP32 scales (the fp8 dispatch payload), stored into every
     destination that takes it (see quantize_mxfp4_rows_multi).
@@ -372,14 +351,13 @@ def quantize_fp8_blockwise_rows_multi(x: torch.Tensor, dests: list[torch.Tensor]
     dests: 1 to 8 uint8 tensors [R_d, H + H/32] with back-to-back rows;
     dest_rows: int64 [T, D] on x's device, contiguous, D = len(dests) (negative or >= R_d: skipped;
       distinct within a destination);
-    bulk_stores, max_blocks: as in quantize_mxfp4_rows_multi.
+    max_blocks: as in quantize_mxfp4_rows_multi.
     Writes in place and returns None; other rows of the destinations are left untouched.
     """
     _float_rows(x, formats.FP8_GROUP)
     h = x.shape[1]
     _destinations(dests, dest_rows, x, x.shape[0], h + 4 * (h // formats.FP8_GROUP))
-    _ops.call(_ops.quantize_fp8_blockwise_rows_multi_op, x, list(dests), dest_rows, _bulk(bulk_stores),
-              _max_blocks(max_blocks))
+    _ops.call(_ops.quantize_fp8_blockwise_rows_multi_op, x, list(dests), dest_rows, _max_blocks(max_blocks))
 
 
 def scatter_rows(src: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, *,

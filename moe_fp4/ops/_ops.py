@@ -189,13 +189,12 @@ def _(src, dests, dest_rows, max_blocks):
 
 @_custom_op("quantize_mxfp4_rows_multi", mutates_args=("dests", "fp8_out", "fp8_scales"))
 def quantize_mxfp4_rows_multi_op(
-    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool,
-    max_blocks: int, fp8_dest: int, fp8_slots: torch.Tensor | None, fp8_out: torch.Tensor | None,
-    fp8_scales: torch.Tensor | None,
+    x: torch.Tensor, scale_rounding: str, dests: list[torch.Tensor], dest_rows: torch.Tensor, max_blocks: int,
+    fp8_dest: int, fp8_slots: torch.Tensor | None, fp8_out: torch.Tensor | None, fp8_scales: torch.Tensor | None,
 ) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, bulk, max_blocks,
-                                                   fp8_dest, fp8_slots, fp8_out, fp8_scales)
+        _native.module().quantize_mxfp4_rows_multi(x, _round_up(scale_rounding), dests, dest_rows, max_blocks, fp8_dest,
+                                                   fp8_slots, fp8_out, fp8_scales)
         return
     rows = quantize_mxfp4_rows_op(x, scale_rounding)  # other input dtypes (and the spec): rows, then the push
     _scatter_rows(rows, dests, dest_rows, max_blocks)
@@ -206,16 +205,16 @@ def quantize_mxfp4_rows_multi_op(
 
 
 @quantize_mxfp4_rows_multi_op.register_fake
-def _(x, scale_rounding, dests, dest_rows, bulk, max_blocks, fp8_dest, fp8_slots, fp8_out, fp8_scales):
+def _(x, scale_rounding, dests, dest_rows, max_blocks, fp8_dest, fp8_slots, fp8_out, fp8_scales):
     return None
 
 
 @_custom_op("quantize_fp8_blockwise_rows_multi", mutates_args=("dests",))
 def quantize_fp8_blockwise_rows_multi_op(
-    x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, bulk: bool, max_blocks: int
+    x: torch.Tensor, dests: list[torch.Tensor], dest_rows: torch.Tensor, max_blocks: int
 ) -> None:
     if _native_for(x) and x.dtype == torch.bfloat16:
-        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, bulk, max_blocks)
+        _native.module().quantize_fp8_blockwise_rows_multi(x, dests, dest_rows, max_blocks)
         return
     data, scales = quantize_fp8_blockwise_op(x)  # other input dtypes (and the spec): rows, then the push
     _scatter_rows(torch.cat((data.view(torch.uint8), scales.view(torch.uint8)), dim=1), dests, dest_rows,
@@ -223,7 +222,7 @@ def quantize_fp8_blockwise_rows_multi_op(
 
 
 @quantize_fp8_blockwise_rows_multi_op.register_fake
-def _(x, dests, dest_rows, bulk, max_blocks):
+def _(x, dests, dest_rows, max_blocks):
     return None
 
 
