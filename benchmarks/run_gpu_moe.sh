@@ -5,8 +5,9 @@
 # convergence run. Logs go to $OUT (default /tmp/moe_fp4_moe); a summary is printed last.
 #   bash benchmarks/run_gpu_moe.sh
 # Environment: TOKENS (bench moe, tokens per rank), LAYERS, CAP_GB (memory cap; empty: none), STEPS
-# and SEEDS (convergence; STEPS=0 skips it), GEMM=0 / MOE=0 (skip those benchmarks), PROBE=1 (the
-# scaling-overlap probe of benchmarks/probe_gemm_overlap.py), and the *_S time limits of each step.
+# and SEEDS (convergence; STEPS=0 skips it), GEMM=0 / MOE=0 (skip those benchmarks), DEEPGEMM=SRC (build
+# DeepGEMM from the source tree SRC with patches/deepgemm/build.sh first: grouped_gemm_fp8 then runs on it),
+# and the *_S time limits of each step.
 set -u
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -21,6 +22,11 @@ gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 
 timeout "${BUILD_S:-150}" python -m moe_fp4 build > "$OUT/build.log" 2>&1
 echo "build: rc=$? ($((SECONDS - t0)) s)"
+if [ -n "${DEEPGEMM:-}" ]; then
+  timeout "${DEEPGEMM_S:-240}" bash patches/deepgemm/build.sh "$DEEPGEMM" > "$OUT/build_deepgemm.log" 2>&1
+  echo "DeepGEMM build: rc=$? ($((SECONDS - t0)) s)"
+  export PYTHONPATH="$(cd "$DEEPGEMM" && pwd):$PYTHONPATH"
+fi
 
 timeout -s INT -k 10 "${TESTS_S:-200}" python -m pytest -q -p no:cacheprovider tests/test_grouped_gemm_gpu.py \
   tests/test_moe_layer_gpu.py tests/test_experts.py tests/test_moe_layer.py > "$OUT/tests.log" 2>&1
@@ -29,10 +35,6 @@ if [ "$gpus" -ge 2 ] && python -c "import megatron.core" 2>/dev/null; then
   timeout -s INT -k 10 "${MEGATRON_S:-200}" python -m pytest -q -s -p no:cacheprovider tests/test_megatron_core.py \
     > "$OUT/tests_megatron.log" 2>&1
   echo "megatron tests: rc=$? ($((SECONDS - t0)) s): $(tail -1 "$OUT/tests_megatron.log")"
-fi
-if [ "${PROBE:-0}" = 1 ]; then
-  timeout "${PROBE_S:-120}" python benchmarks/probe_gemm_overlap.py > "$OUT/probe_overlap.txt" 2>&1
-  echo "overlap probe: rc=$? ($((SECONDS - t0)) s)"; cat "$OUT/probe_overlap.txt"
 fi
 if [ "${GEMM:-1}" = 1 ]; then
   timeout "${GEMM_S:-300}" python -m moe_fp4 bench gemm > "$OUT/bench_gemm.md" 2>&1
