@@ -935,13 +935,10 @@ def test_scatter_rows_and_errors():
     with pytest.raises(ValueError, match="dests"):
         ops.quantize_mxfp4_rows_multi(x, [torch.zeros(30, 20, dtype=torch.uint8)], one)
     fits = [torch.zeros(30, 34, dtype=torch.uint8)]
-    for kwargs, what in (({"bulk_stores": 1}, "bulk_stores"), ({"scale_rounding": "nearest"}, "scale_rounding"),
-                         ({"max_blocks": 0}, "max_blocks"), ({"max_blocks": 2.0}, "max_blocks")):
+    for kwargs, what in (({"scale_rounding": "nearest"}, "scale_rounding"), ({"max_blocks": 0}, "max_blocks"),
+                         ({"max_blocks": 2.0}, "max_blocks")):
         with pytest.raises(ValueError, match=what):
             ops.quantize_mxfp4_rows_multi(x, fits, one, **kwargs)
-    with pytest.raises(ValueError, match="bulk_stores"):
-        ops.quantize_fp8_blockwise_rows_multi(torch.randn(30, 128), [torch.zeros(30, 132, dtype=torch.uint8)], one,
-                                              bulk_stores="yes")
 
 
 

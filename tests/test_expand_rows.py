@@ -188,10 +188,10 @@ def test_expansion_into_a_given_output_by_blocks(device):
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
-@pytest.mark.parametrize("device,bulk,blocks", [("cpu", False, None),
-                                                pytest.param("cuda", False, None, marks=pytest.mark.gpu),
-                                                pytest.param("cuda", True, 3, marks=pytest.mark.gpu)])
-def test_push_with_expansion_of_one_destination(device, bulk, blocks):
+@pytest.mark.parametrize("device,blocks", [("cpu", None),
+                                           pytest.param("cuda", None, marks=pytest.mark.gpu),
+                                           pytest.param("cuda", 3, marks=pytest.mark.gpu)])
+def test_push_with_expansion_of_one_destination(device, blocks):
     """quantize_mxfp4_rows_multi with fp8_out: every destination gets the spec's byte rows, and the
     rows stored to fp8_dest also land, converted, in their expert rows (the dispatch's own rows)."""
     t, h = (1500, 7168) if device == "cuda" else (40, 256)
@@ -211,7 +211,7 @@ def test_push_with_expansion_of_one_destination(device, bulk, blocks):
     data = torch.randint(0, 256, (num_rows + 2, h), dtype=torch.uint8, device=device).view(torch.float8_e4m3fn)
     scales = torch.rand(num_rows + 2, h // 128, device=device)
     kept_d, kept_s = data[num_rows:].clone(), scales[num_rows:].clone()
-    ops.quantize_mxfp4_rows_multi(x, dests, rows, bulk_stores=bulk, max_blocks=blocks, fp8_dest=1, fp8_slots=slots,
+    ops.quantize_mxfp4_rows_multi(x, dests, rows, max_blocks=blocks, fp8_dest=1, fp8_slots=slots,
                                   fp8_out=(data, scales))
     keep = peer_rows >= 0
     assert_bitwise_equal(dests[0][peer_rows[keep]], want[keep], "peer rows")
