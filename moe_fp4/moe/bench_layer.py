@@ -1,14 +1,17 @@
 """`python -m moe_fp4 bench moe`: a stack of MoE layers, forward + backward, per policy.
 
 Each block is x = x + MoELayer(rms_norm(x)); attention is omitted (the figures are the MoE part of a
-step). Per policy ("bf16", "fp8", "fp8-recompute", "mxfp4"), on every rank of a process group (NCCL
+step); the norm keeps its BF16 input and one float32 per token for backward, as fused RMSNorm
+kernels do. Per policy ("bf16", "fp8", "fp8-recompute", "mxfp4"), on every rank of a process group (NCCL
 on GPUs, gloo on CPU):
   tok/GPU/s    tokens per rank / median step time (forward + backward of the whole stack, ranks
                lined up by a barrier before each step, the slowest rank's time)
   step ms      that median step time
-  peak GB      peak memory allocated during a step (GPU; the max over ranks)
-  act GB/layer memory held between the end of the forward and the start of the backward, per layer
-               (what autograd saves: the activation memory each policy buys or spends)
+  peak GB      peak memory allocated during a step above the memory held before it (weights, their
+               FP8 copies, optimizer-free: no gradients are kept across steps) (GPU; the max over ranks)
+  act GB/layer memory each MoE layer holds from its forward to its backward, its output included,
+               averaged over the layers (what autograd saves: the activation memory each policy
+               buys or spends; the norms and residuals of the stack not counted)
 With --memory-cap GB: the largest tokens per rank (from --cap-tokens) whose peak stays under the
 cap, and its tok/GPU/s, per policy (the paper's memory-cap experiment).
 GPU defaults are DeepSeek-V3's MoE shapes (hidden 7168, 256 experts over the ranks, top-8,
@@ -33,15 +36,39 @@ from moe_fp4.ep.launch import run_distributed
 from moe_fp4.moe.layer import POLICIES, MoELayer
 
 
+class _RMSNorm(torch.autograd.Function):
+    """RMS norm keeping its input as given and one float32 per token (the footprint of a fused kernel)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True) + 1e-6)
+        ctx.save_for_backward(x, rstd)
+        return (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, rstd = ctx.saved_tensors
+        n, gf = x.float() * rstd, g.float()
+        return (rstd * (gf - n * (gf * n).mean(-1, keepdim=True))).to(x.dtype)
+
+
 class _Block(torch.nn.Module):
     def __init__(self, layer: MoELayer):
         super().__init__()
         self.moe = layer
+        self.held: list[int] | None = None  # when a list: each forward appends what its MoE layer holds
 
     def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + 1e-6)
-        return x + self.moe(h.to(x.dtype)).to(x.dtype)
+        h = _RMSNorm.apply(x)
+        if self.held is None:
+            return x + self.moe(h).to(x.dtype)
+        _sync()
+        before = torch.cuda.memory_allocated()
+        z = self.moe(h)
+        _sync()
+        self.held.append(torch.cuda.memory_allocated() - before)
+        return x + z.to(x.dtype)
 
 
 def _parse(argv):
@@ -102,11 +129,10 @@ def _measure(args, policy: str, tokens: int) -> dict:
         for b in blocks:
             if hasattr(b.moe.experts, "_fp8_key"):
                 b.moe.experts._fp8_key = None  # the weights' FP8 copies: once per step, as in training
-        before = torch.cuda.memory_allocated() if gpu else 0
+            b.held = record if gpu else None
         y = blocks(x)
-        if record is not None and gpu:
-            _sync()
-            record.append(torch.cuda.memory_allocated() - before)
+        for b in blocks:
+            b.held = None
         y.backward(dy)
         x.grad = None
         blocks.zero_grad(set_to_none=True)
@@ -126,12 +152,14 @@ def _measure(args, policy: str, tokens: int) -> dict:
         _sync()
         times.append(time.perf_counter() - t0)
     peak = (torch.cuda.max_memory_allocated() - base) if gpu else 0
-    out = torch.tensor([statistics.median(times), peak, saved[0] if saved else 0], dtype=torch.float64)
+    # (the FP8 weight copies made in a layer's forward replace the previous step's: no net memory)
+    act = statistics.mean(saved) if saved else 0
+    out = torch.tensor([statistics.median(times), peak, act], dtype=torch.float64)
     out = out.to(dev) if args.backend == "nccl" else out
     dist.all_reduce(out, op=dist.ReduceOp.MAX)
     t, peak, act = out.tolist()
     return {"policy": policy, "tokens": tokens, "step_ms": t * 1e3, "tok_s": tokens / t, "peak_gb": peak / 1e9,
-            "act_gb_layer": act / 1e9 / args.layers}
+            "act_gb_layer": act / 1e9}
 
 
 def _fits(args, policy, tokens) -> dict | None:
@@ -172,8 +200,9 @@ def _print(res, args, world):
     print(f"# bench moe, {device}, torch {torch.__version__}, {stamp}")
     print(f"{args.layers} MoE layers (attention omitted), hidden {args.hidden}, {args.experts} experts over "
           f"{world} ranks, top-{args.topk}, intermediate {args.intermediate}; medians of {args.iters} steps")
-    print("legend: tok/GPU/s = tokens per rank / step time (slowest rank); act GB/layer = memory held "
-          "from the end of forward to backward, per layer; peak GB = peak allocated in a step (max over ranks)")
+    print("legend: tok/GPU/s = tokens per rank / step time (slowest rank); act GB/layer = memory an MoE layer "
+          "holds from its forward to its backward (its output included); peak GB = peak allocated in a step "
+          "above the weights (max over ranks)")
     print()
     print("| tokens/rank | policy | step ms | tok/GPU/s | vs bf16 | peak GB | act GB/layer |")
     print("|---:|---|---:|---:|---:|---:|---:|")
