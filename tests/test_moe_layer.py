@@ -192,6 +192,26 @@ def test_layer_keeps_no_expert_outputs_or_float32_input(policy):
     assert x.grad is not None and layer.router.weight.grad is not None
 
 
+def test_layer_under_autocast():
+    """Under a caller's BF16 autocast (as a trainer runs attention) the router still scores in float32
+    and forward and backward run; the result equals the layer without autocast (whose BF16 inputs
+    the autocast does not change)."""
+    torch.manual_seed(SEED + 6)
+    layer = MoELayer(H, I, E, K, policy="mxfp4", dtype=torch.float32)
+    x = torch.randn(64, H, dtype=torch.bfloat16)
+    outs = []
+    for auto in (False, True):
+        layer.zero_grad()
+        xx = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=auto):
+            y = layer(xx)
+        y.float().sum().backward()
+        outs.append((y.detach(), xx.grad, layer.router.weight.grad.clone()))
+    assert outs[1][2].dtype == torch.float32
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 def test_router_options():
     torch.manual_seed(SEED + 3)
     x = torch.randn(40, H)

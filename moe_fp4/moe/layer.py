@@ -94,13 +94,16 @@ class _RouterLogits(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        return x.float() @ weight.t()
+        with torch.autocast(x.device.type, enabled=False):  # float32 scores under a caller's autocast too
+            return x.float() @ weight.float().t()
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        dx = (grad @ weight).to(x.dtype) if ctx.needs_input_grad[0] else None
-        dw = grad.t() @ x.float() if ctx.needs_input_grad[1] else None
+        grad = grad.float()
+        with torch.autocast(x.device.type, enabled=False):
+            dx = (grad @ weight.float()).to(x.dtype) if ctx.needs_input_grad[0] else None
+            dw = (grad.t() @ x.float()).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw
 
 
