@@ -192,12 +192,13 @@ def test_layer_keeps_no_expert_outputs_or_float32_input(policy):
     assert x.grad is not None and layer.router.weight.grad is not None
 
 
-def test_layer_under_autocast():
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_layer_under_autocast(policy):
     """Under a caller's BF16 autocast (as a trainer runs attention) the router still scores in float32
     and forward and backward run; the result equals the layer without autocast (whose BF16 inputs
     the autocast does not change)."""
     torch.manual_seed(SEED + 6)
-    layer = MoELayer(H, I, E, K, policy="mxfp4", dtype=torch.float32)
+    layer = MoELayer(H, I, E, K, policy=policy, dtype=torch.float32)
     x = torch.randn(64, H, dtype=torch.bfloat16)
     outs = []
     for auto in (False, True):
