@@ -272,6 +272,13 @@ ref = (torch.nn.functional.silu(gate) * up).bfloat16().float()
 assert bool(((sw.swiglu(y1).float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-30).all()), "swiglu"
 sig = torch.sigmoid(gate)
 ref = torch.cat((dh.float() * up * sig * (1 + gate * (1 - sig)), dh.float() * gate * sig), -1).bfloat16().float()
+from moe_fp4.moe import _deep_gemm
+lens = torch.tensor([0, 300, 0, 129, 1000, 0, 64]); offs = torch.tensor([0, 0, 384, 384, 640, 1664, 1664])
+want = torch.full((1800,), -1, dtype=torch.int32)
+for e, (o, c) in enumerate(zip(offs.tolist(), lens.tolist())):
+    want[o:o + c] = e
+assert torch.equal(tg.row_groups(offs, lens, 1800), want), "row groups"
+assert torch.equal(_deep_gemm.row_groups(offs, lens, 1800), want), "row groups through _deep_gemm"
 dy1, none = sw.swiglu_backward(dh, y1)
 assert none is None and bool(((dy1.float() - ref).abs() <= ref.abs() * 2 ** -7 + 1e-30).all()), "swiglu bwd"
 print("@ok")

@@ -15,6 +15,8 @@ import importlib.util
 
 import torch
 
+from moe_fp4.moe import _triton_grouped_gemm
+
 TILE_M = 128
 _module = None
 _probed = False
@@ -48,7 +50,10 @@ def usable(a: torch.Tensor, w: torch.Tensor) -> bool:
 
 def row_groups(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 [rows]: each row's group, -1 for rows of no group (on the device, no host read). Each
-    group starts at or after the previous group's end, empty groups too (every dispatch's layout)."""
+    group starts at or after the previous group's end, empty groups too (every dispatch's layout).
+    One Triton launch where Triton runs; torch's search elsewhere."""
+    if _triton_grouped_gemm.available(split_offsets):
+        return _triton_grouped_gemm.row_groups(split_offsets, split_lens, rows)
     offs = split_offsets.to(torch.int64)
     ends = offs + split_lens.to(torch.int64).clamp_min(0)
     r = torch.arange(rows, device=offs.device)

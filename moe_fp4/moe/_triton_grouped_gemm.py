@@ -160,6 +160,30 @@ if triton is not None:
                      mask=free[:, None] & (cols[None, :] < n))
 
 
+if triton is not None:
+
+    @triton.jit
+    def _row_groups_kernel(offs_ptr, lens_ptr, out_ptr, groups, m, GP: tl.constexpr, BR: tl.constexpr):
+        rows = tl.program_id(0) * BR + tl.arange(0, BR)
+        e = tl.arange(0, GP)
+        starts = tl.load(offs_ptr + e, mask=e < groups, other=0)
+        ends = starts + tl.maximum(tl.load(lens_ptr + e, mask=e < groups, other=0), 0)
+        inside = (rows[:, None] >= starts[None, :]) & (rows[:, None] < ends[None, :])
+        g = tl.max(tl.where(inside, e[None, :], -1), 1)  # (groups do not overlap: one at most)
+        tl.store(out_ptr + rows, g.to(tl.int32), mask=rows < m)
+
+
+def row_groups(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [rows]: each row's group, -1 for rows of no group (one launch; groups must not overlap)."""
+    out = torch.empty(rows, dtype=torch.int32, device=split_offsets.device)
+    g = split_lens.shape[0]
+    if rows:
+        br = 128 if g <= 128 else 32  # (rows x groups compared in registers)
+        _row_groups_kernel[(triton.cdiv(rows, br),)](split_offsets, split_lens, out, g, rows, GP=_pow2(g), BR=br,
+                                                     num_warps=4)
+    return out
+
+
 def _pow2(g: int) -> int:
     return max(16, triton.next_power_of_2(g))
 
