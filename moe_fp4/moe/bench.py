@@ -7,8 +7,9 @@ expert_alignment 128); splits "uniform" (M/G each) or "skewed" (lengths drawn fr
 the same total). Per GEMM:
   fprop   y = x @ w_g^T (FP8 1x128 rows x FP8 128x128 tiles, BF16 out): ``grouped_gemm_fp8``
   dgrad   dx = dy @ w_g (the same kernel on the transposed tiles)
-  wgrad   dw_g = dy_g^T x_g (FP8 columns, one scale per 128 tokens of each column; float32 out):
-          ``grouped_gemm_fp8_wgrad``
+  wgrad   dw_g = dy_g^T x_g (FP8 columns, one scale per 128 tokens of each column; float32 sums,
+          BF16 out as torch's): ``grouped_gemm_fp8_wgrad``; wgrad-f32: the same with float32 out
+          (beside DeepGEMM's k-grouped wgrad, which writes float32)
 Columns: moe_fp4 (``grouped_gemm_fp8``: DeepGEMM where installed, else the Triton kernel); Triton (the
 Triton rows kernel alone, fprop and dgrad); torch FP8 rowwise (``torch._scaled_grouped_mm``, one
 scale per row of each operand: a coarser scaling than ours, the fastest FP8 grouped GEMM in torch on
@@ -140,7 +141,10 @@ def _projection(m, g, lens, n, k, iters, dg, seed):
     ours = {
         "fprop": lambda: grouped_gemm_fp8(x8, xs, w8, ws, offs_t, lens_t, validate=False, tile_aligned=True),
         "dgrad": lambda: grouped_gemm_fp8(d8, ds, w8t, wst, offs_t, lens_t, validate=False, tile_aligned=True),
-        "wgrad": lambda: grouped_gemm_fp8_wgrad(dt, dts, xt, xts, offs_t, lens_t, validate=False),
+        # (BF16 out, as torch's rows below: the same bytes written; float32 out is its own row)
+        "wgrad": lambda: grouped_gemm_fp8_wgrad(dt, dts, xt, xts, offs_t, lens_t, out_dtype=torch.bfloat16,
+                                                validate=False),
+        "wgrad-f32": lambda: grouped_gemm_fp8_wgrad(dt, dts, xt, xts, offs_t, lens_t, validate=False),
     }
     triton = {
         "fprop": lambda: _triton_grouped_gemm.grouped_rows(x8, xs, w8, ws, offs_t, lens_t),
@@ -184,13 +188,13 @@ def _projection(m, g, lens, n, k, iters, dg, seed):
             b_sf = torch.cat([xts[:, o // 128:(o + c) // 128].t() for o, c in zip(offs, lens)]).contiguous()
             w_out = torch.zeros(g, n, k, device=dev, dtype=torch.float32)
             ks_t = torch.tensor(lens, device=dev, dtype=torch.int32)
-            deep["wgrad"] = lambda: dg.k_grouped_fp8_gemm_nt_contiguous(
+            deep["wgrad-f32"] = lambda: dg.k_grouped_fp8_gemm_nt_contiguous(
                 (a_buf, a_sf.t()), (b_buf, b_sf.t()), w_out, lens, ks_t, w_out, recipe=(1, 1, 128),
                 compiled_dims="mn")
         except Exception as e:  # noqa: BLE001
             notes.add(f"DeepGEMM wgrad operands: {type(e).__name__}: {e}")
     rows = []
-    for op in ("fprop", "dgrad", "wgrad"):
+    for op in ("fprop", "dgrad", "wgrad", "wgrad-f32"):
         cells = []
         for table, name in ((ours, "moe_fp4"), (triton, "Triton kernel"), (rowwise, "torch FP8 rowwise"),
                             (bf16, "torch BF16"), (deep, "DeepGEMM")):
