@@ -9,9 +9,10 @@ on GPUs, gloo on CPU):
   step ms      that median step time
   peak GB      peak memory allocated during a step above the memory held before it (weights, their
                FP8 copies, optimizer-free: no gradients are kept across steps) (GPU; the max over ranks)
-  act GB/layer memory each MoE layer holds from its forward to its backward, its output included,
-               averaged over the layers (what autograd saves: the activation memory each policy
-               buys or spends; the norms and residuals of the stack not counted)
+  act GB/layer memory each MoE layer holds from its forward to its backward (what autograd saves
+               for it: the activation memory each policy buys or spends), averaged over the layers;
+               its output, which the block adds to the residual and the layer does not keep, and
+               the stack's norms are not counted
 With --memory-cap GB: the largest tokens per rank (from --cap-tokens) whose peak stays under the
 cap, and its tok/GPU/s, per policy (the paper's memory-cap experiment).
 GPU defaults are DeepSeek-V3's MoE shapes (hidden 7168, 256 experts over the ranks, top-8,
@@ -65,10 +66,10 @@ class _Block(torch.nn.Module):
             return x + self.moe(h).to(x.dtype)
         _sync()
         before = torch.cuda.memory_allocated()
-        z = self.moe(h)
+        out = x + self.moe(h).to(x.dtype)  # (the layer's output is dropped here: it keeps none of it)
         _sync()
-        self.held.append(torch.cuda.memory_allocated() - before)
-        return x + z.to(x.dtype)
+        self.held.append(torch.cuda.memory_allocated() - before - out.numel() * out.element_size())
+        return out
 
 
 def _parse(argv):
@@ -201,7 +202,7 @@ def _print(res, args, world):
     print(f"{args.layers} MoE layers (attention omitted), hidden {args.hidden}, {args.experts} experts over "
           f"{world} ranks, top-{args.topk}, intermediate {args.intermediate}; medians of {args.iters} steps")
     print("legend: tok/GPU/s = tokens per rank / step time (slowest rank); act GB/layer = memory an MoE layer "
-          "holds from its forward to its backward (its output included); peak GB = peak allocated in a step "
+          "keeps from its forward to its backward (its output not counted); peak GB = peak allocated in a step "
           "above the weights (max over ranks)")
     print()
     print("| tokens/rank | policy | step ms | tok/GPU/s | vs bf16 | peak GB | act GB/layer |")
