@@ -126,16 +126,18 @@ def _init_parallel(ctx):
     return ps
 
 
-def _cpu_layer(seed: int, dtype: torch.dtype):
+def _cpu_layer(seed: int, dtype: torch.dtype, **options):
+    """A MoELayer (local spec, SequentialMLP experts); options override the TransformerConfig's."""
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.spec_utils import build_module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
-                               moe_router_topk=TOPK, moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN,
-                               moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
-                               use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
-                               params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    kwargs = dict(num_layers=1, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
+                  moe_router_topk=TOPK, moe_ffn_hidden_size=FFN, ffn_hidden_size=FFN,
+                  moe_token_dispatcher_type="allgather", moe_router_load_balancing_type="none",
+                  use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+                  params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    config = TransformerConfig(**{**kwargs, **options})
     torch.manual_seed(seed)  # the same router on every rank; each rank's experts differ
     spec = get_moe_module_spec(use_te=False, num_experts=EXPERTS, moe_grouped_gemm=False)
     return build_module(spec, config=config)
@@ -332,6 +334,259 @@ def test_hooks_rows_in_alltoall_order(pool):
 @needs_megatron
 def test_apply_revert_gpt_model(pool):
     pool.run(_case_apply_revert, 40)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: moe_fp4's FP8 experts (MoeFp4Experts) against Megatron's experts
+# ---------------------------------------------------------------------------------------------
+
+SWIGLU = dict(moe_ffn_hidden_size=128, ffn_hidden_size=128, activation_func=torch.nn.functional.silu)
+# relative error bounds (Frobenius) of tests/test_moe_layer.py's BOUNDS, by what the FP8 experts'
+# backward keeps: FP8 E4M3 operands in every product; save="mxfp4" also reads the expert input and the
+# SwiGLU input through E2M1 in backward
+EXPERTS_BOUNDS = {"fp8": 0.1, "recompute": 0.1, "bf16": 0.1, "mxfp4": 0.3}
+
+
+def _run_layer(layer, x, grad_out):
+    """Forward (the layer's own routing and methods) and backward: (out, grad of x, routing map)."""
+    x1 = x.clone().requires_grad_()
+    probs, routing_map = _route(layer, x1)
+    out = _layer_forward(layer, x1, probs, routing_map)
+    (out.float() * grad_out).sum().backward()
+    return out.detach(), x1.grad, routing_map
+
+
+def _case_fp8_experts_vs_megatron(ctx, payload, save, seed):
+    """One MoELayer (float32 weights) on moe_fp4's dispatcher: Megatron's SequentialMLP, then
+    MoeFp4Experts with its weights, same tokens; output and gradients (tokens, router, expert weights
+    mapped back to Megatron's names) within EXPERTS_BOUNDS[save]."""
+    _init_parallel(ctx)
+    layer = _cpu_layer(seed, torch.float32, **SWIGLU)
+    torch.manual_seed(seed + 1 + ctx.rank)
+    x = torch.randn(40, 2, HIDDEN)
+    grad_out = torch.randn(40, 2, HIDDEN)
+    megatron_experts = layer.experts
+
+    mc.apply(layer, payload=payload, backend="gloo")
+    ref, ref_dx, ref_map = _run_layer(layer, x, grad_out)
+    ref_router = layer.router.weight.grad.clone()
+    ref_experts = {n: p.grad.clone() for n, p in megatron_experts.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+
+    mc.apply(layer, payload=payload, backend="gloo", experts="moe_fp4", save=save)
+    experts, dispatcher = layer.experts, layer.token_dispatcher
+    assert isinstance(experts, mc.experts_class()) and experts.megatron_experts is megatron_experts
+    assert experts.dispatcher is dispatcher and dispatcher.expert_alignment == 128
+    # the experts read the dispatch's FP8 (and MXFP4) rows unless backward keeps the decoded values
+    assert dispatcher.decode == (save == "bf16" or save == "mxfp4" and payload != "mxfp4")
+    seen = []
+    hook = experts.register_forward_pre_hook(lambda module, args: seen.append(args[0] is dispatcher.dispatched_rows))
+    out, dx, routing_map = _run_layer(layer, x, grad_out)
+    hook.remove()
+    grads = experts.megatron_state(grads=True)
+    assert mc.revert(layer) == [layer]
+    assert layer.experts is megatron_experts and seen == [True]
+
+    assert torch.equal(routing_map, ref_map)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    errors = {"out": _rel(out, ref), "x": _rel(dx, ref_dx), "router": _rel(layer.router.weight.grad, ref_router)}
+    assert set(grads) == set(ref_experts)
+    errors.update({n: _rel(g, ref_experts[n]) for n, g in grads.items()})
+    bad = {n: e for n, e in errors.items() if not e < EXPERTS_BOUNDS[save]}
+    assert not bad, f"rank {ctx.rank}: errors at or above {EXPERTS_BOUNDS[save]}: {bad}"
+    return round(errors["out"], 4), round(max(errors.values()), 4)
+
+
+def _fake_gmm(a, b, batch_sizes, trans_b=False):
+    """grouped_gemm's gmm (GroupedMLP's GEMM, a CUDA package): a's rows split by batch_sizes, times b[g]."""
+    parts = torch.split(a, [int(n) for n in batch_sizes])
+    return torch.cat([p @ (b[g].t() if trans_b else b[g]) for g, p in enumerate(parts)])
+
+
+class _GroupedLinear(torch.nn.Module):
+    """A stand-in for TransformerEngine's GroupedLinear as TEGroupedMLP builds it: weight{g} [out, in]."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias, skip_bias_add, is_expert,
+                 tp_comm_buffer_name, pg_collection):
+        super().__init__()
+        self.num_gemms = num_gemms
+        for g in range(num_gemms):
+            w = torch.nn.Parameter(torch.empty(output_size, input_size, dtype=config.params_dtype))
+            init_method(w)
+            self.register_parameter(f"weight{g}", w)
+
+    def forward(self, x, tokens_per_expert):
+        parts = torch.split(x, tokens_per_expert)
+        return torch.cat([p @ getattr(self, f"weight{g}").t() for g, p in enumerate(parts)]), None
+
+
+def _megatron_experts(kind: str, layer):
+    """Megatron's experts of ``kind`` with the config and groups of ``layer`` (a SequentialMLP layer):
+    its own SequentialMLP, a GroupedMLP (its GEMM, grouped_gemm's, replaced by _fake_gmm) or a
+    TEGroupedMLP on _GroupedLinear."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe import experts as megatron_experts
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    if kind == "sequential":
+        return layer.experts
+    seq = layer.experts
+    groups = ProcessGroupCollection(ep=seq.ep_group, expt_tp=seq.tp_group, expt_dp=seq.dp_group)
+    if kind == "te_grouped":
+        sub = MLPSubmodules(linear_fc1=_GroupedLinear, linear_fc2=_GroupedLinear)
+        return megatron_experts.TEGroupedMLP(seq.num_local_experts, layer.config, sub, pg_collection=groups)
+    saved = grouped_gemm_util.assert_grouped_gemm_is_available, grouped_gemm_util.ops, megatron_experts.jit_fuser
+    try:
+        grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+        grouped_gemm_util.ops = type("ops", (), {"gmm": staticmethod(_fake_gmm)})
+        megatron_experts.jit_fuser = lambda f: f  # (torch.compile, not needed here)
+        return megatron_experts.GroupedMLP(seq.num_local_experts, layer.config, pg_collection=groups)
+    finally:
+        megatron_experts.jit_fuser = saved[2]
+        grouped_gemm_util.assert_grouped_gemm_is_available = saved[0]
+
+
+def _case_experts_layouts(ctx, kind, seed):
+    """MoeFp4Experts alone, on rows as Megatron's dispatchers give them (back to back by expert: the
+    padded path): the weights' layout round trip bit for bit, then forward and backward against the
+    Megatron experts module (save="bf16": FP8 products only, bound 0.1), weight gradients mapped back."""
+    import megatron.core.transformer.moe.grouped_gemm_util as grouped_gemm_util
+
+    _init_parallel(ctx)
+    dtype = torch.bfloat16 if kind == "grouped" else torch.float32  # (GroupedMLP: BF16 only)
+    layer = _cpu_layer(seed, dtype, **SWIGLU)
+    module = _megatron_experts(kind, layer)
+    params = dict(module.named_parameters())
+    layout = mc.to_megatron_layout(module, *mc.from_megatron_layout(module, 2, HIDDEN, 128))
+    assert set(layout) == set(params) and all(torch.equal(layout[n], p) for n, p in params.items())
+
+    experts = mc.experts_class()(module, layer.config, save="bf16")
+    assert experts.w1.dtype == dtype and experts.w1.shape == (2, 256, HIDDEN) and experts.w2.shape == (2, HIDDEN, 128)
+    torch.manual_seed(seed + 1 + ctx.rank)
+    counts = torch.tensor([130, 7] if ctx.rank == 0 else [0, 45])
+    rows = torch.randn(int(counts.sum()), HIDDEN, dtype=dtype)
+    probs = torch.rand(rows.shape[0])
+    grad_out = torch.randn(rows.shape[0], HIDDEN)
+
+    def run(m):
+        r, p = rows.clone().requires_grad_(), probs.clone().requires_grad_()
+        out, bias = m(r, counts, p)
+        assert bias is None
+        (out.float() * grad_out).sum().backward()
+        return out.detach(), r.grad, p.grad
+
+    saved_ops = grouped_gemm_util.ops
+    grouped_gemm_util.ops = type("ops", (), {"gmm": staticmethod(_fake_gmm)})
+    try:
+        ref = run(module)
+    finally:
+        grouped_gemm_util.ops = saved_ops
+    got = run(experts)
+    assert got[0].dtype == dtype and got[0].shape == rows.shape
+    errors = {name: _rel(a, b) for name, a, b in zip(("out", "rows", "probs"), got, ref)}
+    grads = experts.megatron_state(grads=True)
+    errors.update({n: _rel(grads[n], p.grad) for n, p in params.items()})
+    bad = {n: e for n, e in errors.items() if not e < EXPERTS_BOUNDS["bf16"]}
+    assert not bad, f"rank {ctx.rank} {kind}: errors at or above {EXPERTS_BOUNDS['bf16']}: {bad}"
+
+    with torch.no_grad():  # restore writes the (trained) weights back into Megatron's layout
+        experts.w1.mul_(2)
+        experts.w2.add_(1)
+    assert experts.restore() is module
+    new = dict(module.named_parameters())
+    back = mc.to_megatron_layout(module, experts.w1.detach(), experts.w2.detach())
+    assert all(torch.equal(new[n], back[n]) for n in new)
+    with pytest.raises(NotImplementedError, match="revert"):
+        experts.sharded_state_dict()
+    return max(errors.values())
+
+
+def _case_experts_apply_refusals(ctx, seed):
+    """apply(experts="moe_fp4") on a GPTModel; bad options and experts it does not compute are refused
+    with a ValueError naming them, before any layer changes; apply(experts="megatron") and revert put
+    Megatron's experts back with the trained weights."""
+    _init_parallel(ctx)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_moe_experts=EXPERTS,
+                               moe_router_topk=TOPK, moe_token_dispatcher_type="allgather",
+                               use_cpu_initialization=True, add_bias_linear=False, gated_linear_unit=True,
+                               expert_model_parallel_size=ctx.world_size, **SWIGLU)
+    torch.manual_seed(seed)
+    model = GPTModel(config, get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False), vocab_size=64,
+                     max_sequence_length=16)
+    layers = mc.find_moe_layers(model)
+    originals = [(layer.token_dispatcher, layer.experts) for layer in layers]
+
+    def unchanged():
+        return [(layer.token_dispatcher, layer.experts) for layer in layers] == originals
+
+    for options, match in ((dict(experts="te"), "experts: expected one of"),
+                           (dict(experts="moe_fp4", save="int4"), "save: expected one of")):
+        with pytest.raises(ValueError, match=match):
+            mc.apply(model, backend="gloo", **options)
+        assert unchanged()
+    for field, value, match in (("activation_func", torch.nn.functional.gelu, "gated SwiGLU"),
+                                ("gated_linear_unit", False, "gated SwiGLU"),
+                                ("glu_linear_offset", 1.0, "glu_linear_offset"),
+                                ("activation_func_clamp_value", 7.0, "activation_func_clamp_value"),
+                                ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input"),
+                                ("add_bias_linear", True, "add_bias_linear"),
+                                ("moe_ffn_hidden_size", 64, "moe_ffn_hidden_size must be a multiple of 128")):
+        saved = getattr(config, field)
+        setattr(config, field, value)
+        try:
+            with pytest.raises(ValueError, match=match):
+                mc.apply(model, backend="gloo", experts="moe_fp4")
+        finally:
+            setattr(config, field, saved)
+        assert unchanged()
+
+    patched = mc.apply(model, payload="fp8", backend="gloo", experts="moe_fp4", save="fp8")
+    adapters = [layer.experts for layer in patched]
+    assert all(isinstance(a, mc.experts_class()) and a.save == "fp8" for a in adapters)
+    assert [a.megatron_experts for a in adapters] == [e for _, e in originals]
+    names = {n for n, _ in model.named_parameters()}
+    assert "decoder.layers.0.mlp.experts.w1" in names and not any("local_experts" in n for n in names)
+    assert getattr(adapters[0].w1, "allreduce", None) is False  # expert parallel: no data-parallel all-reduce
+    mc.apply(model, payload="mxfp4", backend="gloo", experts="moe_fp4", save="mxfp4")  # again: the same experts
+    assert [layer.experts for layer in layers] == adapters and adapters[0].save == "mxfp4"
+    assert not layers[0].token_dispatcher.decode
+    with torch.no_grad():
+        adapters[0].w1.add_(1.0)  # "training"
+    trained = adapters[0].megatron_state()
+    mc.apply(model, payload="bf16", backend="gloo")  # Megatron's experts, with the trained weights
+    assert [layer.experts for layer in layers] == [e for _, e in originals]
+    assert layers[0].token_dispatcher.expert_alignment == 1
+    params = dict(layers[0].experts.named_parameters())
+    assert all(torch.equal(params[n], t) for n, t in trained.items())
+    mc.apply(model, backend="gloo", experts="moe_fp4")
+    assert len(mc.revert(model)) == 2 and unchanged()
+    assert mc.revert(model) == []
+    return True
+
+
+@needs_megatron
+@pytest.mark.parametrize("payload,save", [("bf16", "fp8"), ("bf16", "bf16"), ("fp8", "fp8"), ("fp8", "recompute"),
+                                          ("mxfp4", "mxfp4"), ("nvfp4", "mxfp4")])
+def test_fp8_experts_vs_megatron_experts(pool, payload, save):
+    results = pool.run(_case_fp8_experts_vs_megatron, payload, save, 50)
+    print(payload, save, "output error, worst error (relative), per rank:", results)
+
+
+@needs_megatron
+@pytest.mark.parametrize("kind", ["sequential", "grouped", "te_grouped"])
+def test_fp8_experts_megatron_layouts(pool, kind):
+    results = pool.run(_case_experts_layouts, kind, 60)
+    print(kind, "worst error (relative), per rank:", results)
+
+
+@needs_megatron
+def test_fp8_experts_apply_revert_refusals(pool):
+    pool.run(_case_experts_apply_refusals, 70)
 
 
 # ---------------------------------------------------------------------------------------------
