@@ -15,10 +15,20 @@ at most half a BF16 ulp, 2^-8 relative); gradients (tokens, router weight, exper
 expert and permuted probs (bf16 tokens and payload) equal bit for bit to the rows in the order
 Megatron's alltoall dispatcher gives them (each local expert's tokens by source rank, then token).
 
+FP8 experts (``apply(..., experts="moe_fp4")``, CPU, 2 gloo ranks): a gated-SwiGLU MoELayer on
+moe_fp4's dispatcher with Megatron's SequentialMLP, then with ``MoeFp4Experts`` holding its weights,
+same tokens; output and gradients (tokens, router, expert weights mapped back to Megatron's names)
+within the bounds of tests/test_moe_layer.py (0.1 relative for FP8 products, 0.3 when backward keeps
+MXFP4); ``MoeFp4Experts`` alone behind Megatron-style rows (its padded path) against SequentialMLP,
+GroupedMLP (grouped_gemm's GEMM replaced by a PyTorch one) and TEGroupedMLP (TE's GroupedLinear
+replaced by a stand-in with its weights), the weight layouts round-tripped bit for bit; apply/revert
+and the refused options.
+
 GPU (``pytest.mark.gpu``, 2 CUDA GPUs, NCCL, megatron-core 0.19.2): a small GPT-MoE from
 megatron-core's local (non-TE) layer spec, expert parallel size 2; forward and backward with
 moe_fp4's dispatcher against Megatron's alltoall dispatcher on the same weights and inputs, then a
-few optimizer steps with each, losses side by side (printed with -s).
+few optimizer steps with each, losses side by side (printed with -s); and a one-layer gated-SwiGLU
+GPT-MoE on moe_fp4's dispatcher and FP8 experts against Megatron's dispatcher and experts.
 """
 
 from __future__ import annotations
@@ -596,18 +606,19 @@ def test_fp8_experts_apply_revert_refusals(pool):
 GPT = dict(layers=2, hidden=256, heads=4, ffn=512, moe_ffn=256, experts=4, topk=2, vocab=512, seq=64, batch=2)
 
 
-def _gpt_model(seed: int):
+def _gpt_model(seed: int, **options):
+    """The GPT-MoE of GPT on this rank's GPU; options override the TransformerConfig's."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    config = TransformerConfig(num_layers=GPT["layers"], hidden_size=GPT["hidden"], num_attention_heads=GPT["heads"],
-                               ffn_hidden_size=GPT["ffn"], moe_ffn_hidden_size=GPT["moe_ffn"],
-                               num_moe_experts=GPT["experts"], moe_router_topk=GPT["topk"],
-                               moe_token_dispatcher_type="alltoall", moe_router_load_balancing_type="none",
-                               moe_router_dtype="fp32", add_bias_linear=False, hidden_dropout=0.0,
-                               attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
+    kwargs = dict(num_layers=GPT["layers"], hidden_size=GPT["hidden"], num_attention_heads=GPT["heads"],
+                  ffn_hidden_size=GPT["ffn"], moe_ffn_hidden_size=GPT["moe_ffn"], num_moe_experts=GPT["experts"],
+                  moe_router_topk=GPT["topk"], moe_token_dispatcher_type="alltoall",
+                  moe_router_load_balancing_type="none", moe_router_dtype="fp32", add_bias_linear=False,
+                  hidden_dropout=0.0, attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16)
+    config = TransformerConfig(**{**kwargs, **options})
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     spec = get_gpt_layer_local_spec(num_experts=GPT["experts"], moe_grouped_gemm=False)
@@ -694,6 +705,48 @@ def _case_gpt_forward_backward(ctx, payload, backend, seed):
     assert loss_err < 1e-3, f"rank {ctx.rank}: loss {loss.item()} vs {ref_loss.item()}"
     bad = {k: e for k, e in errors.items() if e > 2e-2}
     assert not bad, f"rank {ctx.rank}: gradient errors above 2e-2: {bad}"
+    return loss.item(), ref_loss.item(), errors
+
+
+def _case_gpt_fp8_experts(ctx, payload, save, backend, seed):
+    """A one-layer GPT-MoE with gated SwiGLU experts (one layer: the MoE layer's input, so its routing,
+    is the same in both runs): moe_fp4's dispatcher and FP8 experts (``experts="moe_fp4"``) against
+    Megatron's alltoall dispatcher and SequentialMLP whose inputs are rounded as the payload rounds
+    them. Loss within 1e-2 relative; gradients (experts' mapped back to Megatron's names, routers,
+    the rest) within EXPERTS_BOUNDS[save]."""
+    _init_parallel(ctx)
+    model = _gpt_model(seed, num_layers=1, gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    hooks = _round_experts_input(model, payload)
+    ref_routing: list = []
+    hooks += _record_routing(model, ref_routing)
+    ref_loss = _gpt_loss(model, ctx.rank, 0)
+    ref_loss.backward()
+    ref_grads = _grads(model)
+    for h in hooks:
+        h.remove()
+    model.zero_grad(set_to_none=True)
+
+    layers = mc.apply(model, payload=payload, backend=backend, experts="moe_fp4", save=save)
+    routing: list = []
+    hooks = _record_routing(model, routing)
+    loss = _gpt_loss(model, ctx.rank, 0)
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    names = {id(m): n for n, m in model.named_modules()}
+    grads = {n: g for n, g in _grads(model).items() if not n.endswith((".experts.w1", ".experts.w2"))}
+    for layer in layers:
+        prefix = names[id(layer.experts)]
+        grads.update({f"{prefix}.{n}": g.float() for n, g in layer.experts.megatron_state(grads=True).items()})
+    mc.revert(model)
+
+    assert all(torch.equal(a, b) for a, b in zip(routing, ref_routing))
+    assert set(grads) == set(ref_grads)
+    loss_err = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
+    errors = _group_errors(grads, ref_grads)
+    assert loss_err < 1e-2, f"rank {ctx.rank}: loss {loss.item()} vs {ref_loss.item()}"
+    bad = {k: e for k, e in errors.items() if not e < EXPERTS_BOUNDS[save]}
+    assert not bad, f"rank {ctx.rank}: gradient errors at or above {EXPERTS_BOUNDS[save]}: {bad}"
     return loss.item(), ref_loss.item(), errors
 
 
@@ -786,6 +839,16 @@ def test_gpt_moe_forward_backward_vs_alltoall(nccl_pool, payload, backend):
     alltoall dispatcher whose experts see the payload-rounded rows (no routing flip allowed)."""
     results = nccl_pool.run(_case_gpt_forward_backward, payload, backend, 7)
     print(payload, backend, "loss (moe_fp4, megatron), gradient errors, per rank:", results)
+
+
+@needs_megatron
+@pytest.mark.gpu
+@pytest.mark.multigpu
+@pytest.mark.parametrize("payload,save,backend", [("fp8", "fp8", "nccl"), ("mxfp4", "mxfp4", "nccl"),
+                                                  ("mxfp4", "mxfp4", "symm")])
+def test_gpt_moe_fp8_experts_vs_megatron(nccl_pool, payload, save, backend):
+    results = nccl_pool.run(_case_gpt_fp8_experts, payload, save, backend, 7)
+    print(payload, save, backend, "loss (moe_fp4 experts, megatron), gradient errors, per rank:", results)
 
 
 @needs_megatron
