@@ -9,6 +9,9 @@
              pushes each token's encoded row straight into every receiver's buffer over NVLink
              (mxfp4, fp8: one fused encode-and-store kernel; bf16: one row push; nvfp4: the encode,
              then the push), combine sums partials read out of the peers' buffers (Triton)
+  deepep     backend="deepep": the encoded rows through DeepEP's normal-mode dispatch and combine
+             (deep_ep.Buffer, built with patches/deepep/build.sh), the expert-order layout built
+             on the receiver from DeepEP's recv_topk_idx
   buffer     Buffer.dispatch / Buffer.combine with a reusable handle; dispatch(max_recv_tokens=N)
              is sync-free (fixed blocks, outputs sized for the worst case, DispatchHandle.check());
              make_backend picks the backend
@@ -21,6 +24,7 @@
 from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad, row_weights_with_grad
 from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, TorchDistributedBackend
 from moe_fp4.ep.buffer import Buffer, DispatchHandle, DispatchOutput, make_backend
+from moe_fp4.ep.deepep import DeepEPBackend
 from moe_fp4.ep.layout import DispatchLayout, dispatch_layout, send_order
 from moe_fp4.ep.payloads import (
     PAYLOADS,
@@ -34,7 +38,7 @@ from moe_fp4.ep.payloads import (
 from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
 __all__ = [
-    "AllToAllBackend", "BF16Payload", "Buffer", "DispatchHandle", "DispatchLayout", "DispatchOutput",
+    "AllToAllBackend", "BF16Payload", "Buffer", "DeepEPBackend", "DispatchHandle", "DispatchLayout", "DispatchOutput",
     "FP8Payload", "LocalBackend", "MXFP4Payload", "NVFP4Payload", "PAYLOADS", "PayloadCodec",
     "TorchDistributedBackend", "combine_with_grad", "dispatch_layout", "dispatch_with_grad", "get_payload",
     "make_backend", "row_weights_with_grad", "send_order", "SymmetricMemoryBackend",

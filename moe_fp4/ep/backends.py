@@ -56,6 +56,9 @@ class AllToAllBackend:
     rank = 0
     world_size = 1
     device = torch.device("cpu")
+    # A backend whose transfer finds each token's ranks itself (DeepEP: moe_fp4.ep.deepep) sets this and
+    # implements ``dispatch_routed``; Buffer then skips its count and metadata exchange.
+    routes_tokens = False
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | None,
                    in_splits: list[int] | None) -> None:
@@ -87,6 +90,13 @@ class AllToAllBackend:
             send_rows = gather_rows(rows, handle.send_token)
         self.all_to_all(recv_rows, send_rows, handle.recv_counts, handle.send_counts)
         return recv_rows, None
+
+    def dispatch_routed(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor | None, codec, *,
+                        num_experts: int, alignment: int, num_sms: int | None = None):
+        """A dispatch without a handle, where ``routes_tokens``: x float [T, H], topk_idx int [T, k],
+        topk_weights float [T, k] or None (checked by the Buffer) -> (received rows uint8 [n_recv,
+        codec.row_bytes(H)], a DispatchHandle whose expert rows are laid out with ``alignment``)."""
+        raise NotImplementedError(f"the {self.name} backend does not route tokens itself")
 
     def combine(self, y: torch.Tensor, handle, codec, *, weights: torch.Tensor | None = None,
                 num_sms: int | None = None) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """`python -m moe_fp4 bench dispatch`: dispatch/combine time and wire bytes per payload format.
 
 Per token count, payload format and backend, on every rank of a process group (NCCL on GPUs, gloo on
-CPU; on GPUs also "symm", the symmetric-memory backend of moe_fp4.ep.symmetric):
+CPU; on GPUs also "symm", the symmetric-memory backend of moe_fp4.ep.symmetric, and with
+``--backends ...,deepep`` our rows through DeepEP, moe_fp4.ep.deepep: no sync-free column, combine
+over the bf16 wire whatever the format):
   wire MB      payload bytes this rank sends in one dispatch (rows x row bytes; the small metadata
                exchange of a full dispatch is not counted)
   a2a us       the raw NCCL (gloo on CPU) all_to_all_single of the same uint8 buffers with the same
@@ -62,7 +64,8 @@ def _parse(argv):
     p.add_argument("--world", type=int, default=None, help="processes to start when not under torchrun")
     p.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="the process group's backend")
     p.add_argument("--backends", default=None, help="Buffer backends to time, comma separated (GPU default "
-                   "nccl,symm; CPU: gloo); symm pushes rows into the receivers' buffers")
+                   "nccl,symm; CPU: gloo); symm pushes rows into the receivers' buffers; deepep moves our rows "
+                   "through deep_ep.Buffer (patches/deepep builds it)")
     p.add_argument("--num-sms", type=int, default=None, help="the SM budget of the dispatch and combine kernels "
                    "(Buffer(num_sms=...), DeepEP's set_num_sms; default: no bound)")
     p.add_argument("--breakdown", action="store_true", help="also time the pieces of the mxfp4 path (encode, "
@@ -72,9 +75,9 @@ def _parse(argv):
     p.add_argument("--timing", choices=("host", "device"), default="host", help="host (default): each call starts "
                    "on an idle GPU, its host work counted; device: each call's work is queued behind a GPU sleep, "
                    "hiding host work as a training step running ahead of the GPU does (also for the raw a2a)")
-    p.add_argument("--deepep", action="store_true", help="also time DeepEP's intranode dispatch and combine "
-                   "(deep_ep.Buffer; bf16 and fp8 payloads) in the same run (NCCL group on GPUs of one host; "
-                   "patches/deepep builds it)")
+    p.add_argument("--deepep", action="store_true", help="also time DeepEP's own intranode dispatch and combine "
+                   "(deep_ep.Buffer with its bf16 and fp8 inputs; rows 'deepep-native') in the same run (NCCL group "
+                   "on GPUs of one host; patches/deepep builds it)")
     p.add_argument("--out", default=None, help="also write the markdown table to this file (rank 0)")
     a = p.parse_args(argv)
     gpu = torch.cuda.is_available() and a.backend != "gloo"
@@ -85,12 +88,21 @@ def _parse(argv):
     a.warmup = a.warmup if a.warmup is not None else (3 if gpu else 1)
     a.formats = [f for f in a.formats.split(",") if f]
     a.backends = [b for b in (a.backends or ("nccl,symm" if a.backend == "nccl" else a.backend)).split(",") if b]
-    usable = ("nccl", "symm") if a.backend == "nccl" else ("gloo",)
+    usable = ("nccl", "symm", "deepep") if a.backend == "nccl" else ("gloo",)
     for b in a.backends:
         if b not in usable:
             p.error(f"--backends: expected some of {usable} with the {a.backend} process group, got {b!r}")
     if a.num_sms is not None and a.num_sms < 1:
         p.error(f"--num-sms: expected a positive int, got {a.num_sms}")
+    if "deepep" in a.backends:
+        from moe_fp4.ep.deepep import import_deep_ep
+
+        try:
+            import_deep_ep()
+        except ImportError as e:
+            p.error(f"--backends deepep: {e}")
+        if a.num_sms is not None and a.num_sms % 2:
+            p.error(f"--num-sms: the deepep backend takes an even SM count (DeepEP's channels), got {a.num_sms}")
     for f in a.formats:
         if f not in FORMATS:
             p.error(f"--formats: unknown format {f!r}")
@@ -200,6 +212,7 @@ class _SpreadTracker:
 
 
 def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms, a2a_spread=0.0) -> dict:
+    deepep = buf.backend.name == "deepep"  # (no sync-free dispatch; combine over the bf16 wire only)
     timer = _SpreadTracker(timer, a2a_spread)
     out = buf.dispatch(x, idx, w, payload=codec)
     h = out.handle
@@ -207,13 +220,14 @@ def _measure(timer, buf, x, idx, w, codec, hidden, a2a_ms, a2a_spread=0.0) -> di
     wire = sum(h.send_counts) * row_bytes
     layout_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec))
     n_free = buf.world_size * x.shape[0]
-    free_ms = timer(lambda: buf.dispatch(x, idx, w, payload=codec, max_recv_tokens=n_free))
+    free_ms = float("nan") if deepep else timer(lambda: buf.dispatch(x, idx, w, payload=codec,
+                                                                     max_recv_tokens=n_free))
     disp_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec))
     e2e_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8=True).fp8)
     tok_ms = timer(lambda: buf.dispatch(x, handle=h, payload=codec, return_fp8="tokens").recv_fp8)
     y = out.values(torch.bfloat16)
     del out
-    comb_ms = timer(lambda: buf.combine(y, h, payload=codec))
+    comb_ms = timer(lambda: buf.combine(y, h, payload="bf16" if deepep else codec))
     return dict(row_bytes=row_bytes, wire_mb=wire / 1e6, a2a_us=a2a_ms * 1e3, a2a_gbs=wire / (a2a_ms * 1e-3) / 1e9,
                 layout_us=layout_ms * 1e3, free_us=free_ms * 1e3, disp_us=disp_ms * 1e3,
                 gbs=wire / (disp_ms * 1e-3) / 1e9,
@@ -274,6 +288,8 @@ def _run(args) -> list[dict]:
             from moe_fp4.ep.symmetric import SymmetricMemoryBackend
 
             bufs[b] = Buffer(args.experts, payload="bf16", backend=SymmetricMemoryBackend(), num_sms=args.num_sms)
+        elif b == "deepep":
+            bufs[b] = Buffer(args.experts, payload="bf16", backend="deepep", num_sms=args.num_sms)
         else:
             bufs[b] = plain
     ep_buf = None
@@ -291,7 +307,7 @@ def _run(args) -> list[dict]:
             a2a_spread = timer.spread
             if ep_buf is not None and name in ("bf16", "fp8"):
                 r = _measure_deepep(timer, ep_buf, x, idx, w, name, args.experts, a2a_ms, a2a_spread)
-                rows_out.append(dict(tokens=t, fmt=name, backend="deepep", **r))
+                rows_out.append(dict(tokens=t, fmt=name, backend="deepep-native", **r))
             for b, buf in bufs.items():
                 r = _measure(timer, buf, x, idx, w, codec, args.hidden, a2a_ms, a2a_spread)
                 rows_out.append(dict(tokens=t, fmt=name, backend=b, num_sms=args.num_sms, **r))
@@ -432,9 +448,9 @@ columns (times: median over iterations of the slowest rank; us = microseconds):
   row B, wire MB  bytes per token row; payload bytes this rank sends per dispatch
   a2a us, GB/s    the raw all_to_all_single of those bytes: the measured ceiling
   full us         a full dispatch: layout, count exchange (one host sync), metadata, payload
-  free us         the same sync-free (max_recv_tokens: fixed blocks, no host sync)
+  free us         the same sync-free (max_recv_tokens: fixed blocks, no host sync; nan: deepep has none)
   dispatch us     a cached-handle dispatch; GB/s = wire bytes / its time; link = a2a us / its time
-  combine us      combine of BF16 expert outputs, the format as its wire format
+  combine us      combine of BF16 expert outputs, the format as its wire format (deepep: bf16 always)
   e2e us          BF16 tokens to FP8 1x128 expert rows (dispatch(return_fp8=True)); vs: ratio to bf16 / fp8
   tok us          BF16 tokens to FP8 1x128 per received token (return_fp8="tokens"); vs: the same ratios
   spread          the widest (max - min) / median of the row's timings over the iterations"""
@@ -497,14 +513,14 @@ def goals(rows: list[dict], device_type: str = "cuda") -> list[str]:
         if "mxfp4" in ref:
             r = ref["mxfp4"]
             bound = 1.3 * r["disp_us"] + 50
-            best = min(r["layout_us"], r["free_us"])
+            best = min(v for v in (r["layout_us"], r["free_us"]) if v == v)  # (nan: not measured)
             out.append(f"  full mxfp4 dispatch: {r['layout_us']:.0f} us synced, {r['free_us']:.0f} us sync-free, "
                        f"cached {r['disp_us']:.0f} us (goal <= 1.3x cached + 50 = {bound:.0f} us"
                        f"{verdict(best <= bound)})")
-        deepep = next((r for r in rows if r["tokens"] == t and r.get("backend") == "deepep" and r["fmt"] == "fp8"),
-                      None)
+        deepep = next((r for r in rows if r["tokens"] == t and r.get("backend") == "deepep-native"
+                       and r["fmt"] == "fp8"), None)
         if "mxfp4" in ref and deepep is not None:
-            ours = min(ref["mxfp4"]["layout_us"], ref["mxfp4"]["free_us"])
+            ours = min(v for v in (ref["mxfp4"]["layout_us"], ref["mxfp4"]["free_us"]) if v == v)
             ratio = ours / deepep["layout_us"]
             out.append(f"  full mxfp4 dispatch / DeepEP's full fp8 dispatch ({deepep['layout_us']:.0f} us): "
                        f"{ratio:.2f}x (goal <= 0.5x{verdict(ratio <= 0.5)})")

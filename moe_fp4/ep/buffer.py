@@ -340,13 +340,18 @@ def _convert(out: DispatchOutput, return_fp8) -> None:
 def make_backend(group=None, backend=None) -> AllToAllBackend:
     """The backend for ``group``: an AllToAllBackend given as ``backend`` wins; the strings "nccl"/
     "gloo" check the group's backend; "symm" is the symmetric-memory backend over an NCCL group
-    (moe_fp4.ep.symmetric); None follows the group (a LocalBackend when torch.distributed
+    (moe_fp4.ep.symmetric); "deepep" moves the rows through DeepEP (moe_fp4.ep.deepep; ImportError
+    without the deep_ep package); None follows the group (a LocalBackend when torch.distributed
     is not initialised and no group is given)."""
     if isinstance(backend, AllToAllBackend):
         return backend
-    if backend not in (None, "nccl", "gloo", "local", "symm"):
-        raise ValueError(f"backend: expected None, 'nccl', 'gloo', 'local', 'symm' or an AllToAllBackend, "
+    if backend not in (None, "nccl", "gloo", "local", "symm", "deepep"):
+        raise ValueError(f"backend: expected None, 'nccl', 'gloo', 'local', 'symm', 'deepep' or an AllToAllBackend, "
                          f"got {backend!r}")
+    if backend == "deepep":  # (first: without deep_ep installed, that is the error to fix)
+        from moe_fp4.ep.deepep import DeepEPBackend
+
+        return DeepEPBackend(group)
     if backend == "local" or (group is None and (dist is None or not dist.is_initialized())):
         if backend not in (None, "local"):
             raise ValueError(f"backend: {backend!r} needs an initialised torch.distributed process group")
@@ -407,7 +412,10 @@ class Buffer:
     backend: None (follow the group: NCCL on CUDA tensors, gloo on CPU tensors), "nccl"/"gloo"
       (checked against the group), "symm" (an NCCL group whose GPUs share NVLink: the dispatch stores
       payload rows straight into the receivers' symmetric-memory buffers, the combine reads partials
-      out of the peers' buffers, see moe_fp4.ep.symmetric), or an AllToAllBackend;
+      out of the peers' buffers, see moe_fp4.ep.symmetric), "deepep" (an NCCL group of 2, 4 or 8 GPUs
+      of one host: the rows travel through DeepEP's normal-mode dispatch and combine, see
+      moe_fp4.ep.deepep; needs the deep_ep package, built with patches/deepep/build.sh; no sync-free
+      dispatch, combine over the bf16 wire only), or an AllToAllBackend;
     num_sms: the SM budget of the dispatch and combine kernels (DeepEP's ``Buffer.set_num_sms``), so
       that expert compute on other streams finds free SMs: their grids hold at most the warps of
       num_sms SMs and loop over the work beyond that (the bits do not change; moe_fp4.ep.sms says
@@ -575,6 +583,13 @@ class Buffer:
         if handle is not None:
             self._agree("dispatch", error, {} if error is not None else dict(
                 hidden=x.shape[1], payload=PAYLOAD_IDS.get(codec.name, -1)))
+        elif self.backend.routes_tokens:  # (DeepEP: the transfer routes the tokens; no count exchange)
+            error = error or self._input_error(x, topk_idx, topk_weights, codec)
+            if error is not None:
+                raise error
+            recv, handle = self.backend.dispatch_routed(x, topk_idx, topk_weights, codec, num_experts=self.num_experts,
+                                                        alignment=alignment, num_sms=self.num_sms)
+            return self._output(recv, None, codec, x.shape[1], handle, return_fp8)
         else:  # the count exchange carries the verdicts
             handle = self._exchange_layout(x, topk_idx, topk_weights, codec, alignment, error)
         return self._send_payload(x, codec, handle, return_fp8)
@@ -585,6 +600,8 @@ class Buffer:
     def _check_sync_free(self, handle, max_recv_tokens, max_recv_rows) -> None:
         if handle is not None:
             raise ValueError("max_recv_tokens: not with a handle (a cached dispatch reuses the handle's sizes)")
+        if self.backend.routes_tokens:
+            raise ValueError(f"max_recv_tokens: the {self.backend.name} backend has no sync-free dispatch")
         w = self.world_size
         if isinstance(max_recv_tokens, bool) or not isinstance(max_recv_tokens, int) or max_recv_tokens < w \
                 or max_recv_tokens % w:
@@ -598,7 +615,12 @@ class Buffer:
         """The payload exchange (the backend's ``dispatch``), then the FP8 conversion the backend did not
         do on the way."""
         recv, fp8 = self.backend.dispatch(x, codec, handle, fp8=return_fp8, num_sms=self.num_sms)
-        out = DispatchOutput(recv, codec, x.shape[1], handle)
+        return self._output(recv, fp8, codec, x.shape[1], handle, return_fp8)
+
+    @staticmethod
+    def _output(recv, fp8, codec: PayloadCodec, hidden: int, handle: DispatchHandle, return_fp8) -> DispatchOutput:
+        """The DispatchOutput of received rows, with the FP8 conversion the backend did not do on the way."""
+        out = DispatchOutput(recv, codec, hidden, handle)
         if fp8 is None:
             _convert(out, return_fp8)
         elif return_fp8 == "tokens":
