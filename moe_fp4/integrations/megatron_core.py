@@ -23,7 +23,7 @@ of each token's expert outputs. ``MoeFp4TokenDispatcher`` implements those hooks
   rows (bf16, fp8, mxfp4, nvfp4) and returns one decoded row per (token, local expert), grouped by
   local expert, then by source rank, then by source token: the order Megatron's alltoall dispatcher
   produces. The row probabilities travel with the tokens (float32) and are differentiable: their
-  gradient goes back to the token's rank (``_PermutedProbs``), so the router trains;
+  gradient goes back to the token's rank (``moe_fp4.ep.row_weights_with_grad``), so the router trains;
 * token_combine: ``combine_with_grad`` (unweighted) sums each token's expert outputs back on its
   rank: float32 partial sums per rank sent as BF16 (``combine_payload``), summed in float32, rounded
   to BF16, then cast to the layer's dtype.
@@ -70,7 +70,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
-from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad
+from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad, row_weights_with_grad
 from moe_fp4.ep.buffer import Buffer, DispatchHandle
 from moe_fp4.ep.payloads import get_payload
 from moe_fp4.moe.experts import ALIGN as EXPERTS_ALIGN
@@ -129,35 +129,6 @@ def _config_problems(config) -> list[str]:
         problems.append("CUDA graphs must be off (cuda_graph_impl='none'): the dispatch waits on the host once "
                         "for the token counts")
     return problems
-
-
-class _PermutedProbs(torch.autograd.Function):
-    """Each dispatched row's top-k weight, differentiable: forward returns the handle's row_weights
-    (float32 [N], sent with the tokens); backward sends each row's gradient to its (token, slot) on
-    the token's rank (float32 all-to-all), giving the gradient of topk_weights [T, k]."""
-
-    @staticmethod
-    def forward(ctx, topk_weights, buffer, handle):
-        ctx.buffer, ctx.handle, ctx.dtype = buffer, handle, topk_weights.dtype
-        return handle.row_weights.to(topk_weights.dtype, copy=True)
-
-    @staticmethod
-    def backward(ctx, grad):
-        buffer, handle = ctx.buffer, ctx.handle
-        k = handle.num_topk
-        n_slots = handle.num_recv_tokens * k
-        per_slot = torch.zeros(n_slots + 1, dtype=torch.float32, device=grad.device)  # + 1: rows of no slot
-        slot = handle.expand_row * k + handle.expand_slot
-        if handle.gap_rows is not None or handle.sync_free:
-            slot = torch.where(handle.expand_row >= 0, slot, n_slots)
-        per_slot.scatter_(0, slot, grad.to(torch.float32))
-        per_slot = per_slot[:n_slots].reshape(-1, k)
-        back = torch.empty(sum(handle.send_counts), k, dtype=torch.float32, device=grad.device)
-        buffer.backend.all_to_all(back.view(torch.uint8), per_slot.view(torch.uint8), handle.send_counts,
-                                  handle.recv_counts)
-        gw = torch.zeros(handle.num_tokens, k, dtype=torch.float32, device=grad.device)
-        gw.index_add_(0, handle.send_token, back)  # each (token, slot) is sent to one rank
-        return gw.to(ctx.dtype), None, None
 
 
 def routing_to_topk(routing_map: torch.Tensor, probs: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -264,7 +235,7 @@ def _make_dispatcher_class(base):
                                            decode=self.decode)
             self._handle = out.handle
             self.dispatch_output, self.dispatched_rows = out, rows
-            return rows, _PermutedProbs.apply(probs, self.buffer, out.handle)
+            return rows, row_weights_with_grad(self.buffer, out.handle, probs).to(probs.dtype)
 
         def dispatch_postprocess(self, hidden_states, probs):
             """Returns (rows [N, H], tokens_per_expert int64 [L] on the CPU, permuted_probs [N])."""
