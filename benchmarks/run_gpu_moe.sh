@@ -4,7 +4,8 @@
 # dispatcher, then the GEMM benchmark, the MoE-stack benchmark with a memory cap and a short
 # convergence run. Logs go to $OUT (default /tmp/moe_fp4_moe); a summary is printed last.
 #   bash benchmarks/run_gpu_moe.sh
-# Environment: TOKENS (bench moe, tokens per rank), LAYERS, CAP_GB (memory cap; empty: none), STEPS
+# Environment: TOKENS (bench moe, tokens per rank), LAYERS, EXPERTS (over all GPUs; default 256, or 32 on
+# one GPU: one rank's expert work of DeepSeek-V3 at expert parallelism 8), CAP_GB (memory cap; empty: none), STEPS
 # and SEEDS (convergence; STEPS=0 skips it), GEMM=0 / MOE=0 (skip those benchmarks), DEEPGEMM=SRC (build
 # DeepGEMM from the source tree SRC with patches/deepgemm/build.sh first: grouped_gemm_fp8 then runs on it),
 # and the *_S time limits of each step.
@@ -41,7 +42,9 @@ if [ "${GEMM:-1}" = 1 ]; then
   echo "bench gemm: rc=$? ($((SECONDS - t0)) s)"
 fi
 if [ "${MOE:-1}" = 1 ]; then
+  experts="${EXPERTS:-$([ "$gpus" -ge 2 ] && echo 256 || echo 32)}"
   timeout "${MOE_S:-400}" python -m moe_fp4 bench moe --tokens "${TOKENS:-4096,8192,16384}" --layers "${LAYERS:-2}" \
+    --experts "$experts" \
     ${CAP_GB:+--memory-cap "$CAP_GB"} > "$OUT/bench_moe.md" 2>&1
   echo "bench moe: rc=$? ($((SECONDS - t0)) s)"
 fi
