@@ -205,9 +205,14 @@ def test_received_layout_equals_the_gloo_backends(gloo_pool, world, scenario):
 # ------------------------------------------------------------------------------------------------
 
 _GPU_REASON = "needs 2 GPUs and deep_ep"
-needs_deepep = pytest.mark.skipif(
+_skip_without = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2 or importlib.util.find_spec("deep_ep") is None,
     reason=_GPU_REASON)
+
+
+def needs_deepep(test):
+    """A 2-GPU test against real DeepEP (selected by -m multigpu; skipped without 2 GPUs and deep_ep)."""
+    return pytest.mark.multigpu(_skip_without(test))
 
 
 _DEEPEP_BUFFERS: dict = {}
