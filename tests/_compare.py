@@ -1,4 +1,5 @@
-"""Shared comparison helpers: bitwise equality that names the first mismatching coordinate."""
+"""Shared comparison helpers: bitwise equality that names the first mismatching coordinate, and the
+ValueError that must name what is wrong."""
 
 import torch
 
@@ -22,6 +23,17 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
             f"got {actual.cpu()[idx]!r} (bits {int(a[idx]):#x}), expected {expected.cpu()[idx]!r} "
             f"(bits {int(e[idx]):#x})"
         )
+
+
+def expect_value_error(fn, *words) -> str:
+    """Call fn; it must raise a ValueError whose message holds every one of words. Returns the message."""
+    try:
+        fn()
+    except ValueError as e:
+        msg = str(e)
+        assert all(w in msg for w in words), f"ValueError {msg!r} does not mention {words}"
+        return msg
+    raise AssertionError(f"expected ValueError mentioning {words}")
 
 
 def random_splits(experts: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

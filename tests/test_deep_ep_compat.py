@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal
+from _compare import assert_bitwise_equal, expect_value_error
 
 from moe_fp4 import formats, ops
 from moe_fp4.ep.deep_ep_compat import Buffer, Config, EventOverlap, Handle
@@ -98,16 +98,6 @@ def layout_args(buf: Buffer, idx: torch.Tensor, num_experts: int) -> dict:
     per_rank, rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, num_experts)
     assert rdma is None and isinstance(event, EventOverlap)
     return dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-
-
-def _expect_value_error(fn, *words):
-    try:
-        fn()
-    except ValueError as e:
-        msg = str(e)
-        assert all(w in msg for w in words), f"ValueError {msg!r} does not mention {words}"
-        return msg
-    raise AssertionError(f"expected ValueError mentioning {words}")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,7 +333,7 @@ def case_worst_tokens(ctx, seed):
     assert_bitwise_equal(out, expected_combine(xs, idxs, rank, ell, world), f"combine of padded x ({what})")
     # too small a bound raises on each rank that received more
     if n > 1:
-        _expect_value_error(lambda: buf.dispatch(xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank],
+        expect_value_error(lambda: buf.dispatch(xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank],
                                                  num_worst_tokens=1, **args), "num_worst_tokens")
     else:
         buf.dispatch(xs[rank], topk_idx=idxs[rank], topk_weights=ws[rank], num_worst_tokens=1, **args)
@@ -364,37 +354,37 @@ def case_errors(ctx, seed):
         xx = kw.pop("x", x)
         return buf.dispatch(xx, **kw)
 
-    _expect_value_error(lambda: dispatch(payload="fp4"), "payload")
-    _expect_value_error(lambda: dispatch(recv_format="fp16"), "recv_format")
-    _expect_value_error(lambda: dispatch(expert_alignment=0), "expert_alignment")
-    _expect_value_error(lambda: dispatch(num_worst_tokens=-1), "num_worst_tokens")
-    _expect_value_error(lambda: dispatch(num_tokens_per_rank=None), "num_tokens_per_rank")
-    _expect_value_error(lambda: dispatch(is_token_in_rank=args["is_token_in_rank"][:, :1]), "is_token_in_rank")
-    _expect_value_error(lambda: dispatch(num_tokens_per_expert=args["num_tokens_per_expert"].long()),
+    expect_value_error(lambda: dispatch(payload="fp4"), "payload")
+    expect_value_error(lambda: dispatch(recv_format="fp16"), "recv_format")
+    expect_value_error(lambda: dispatch(expert_alignment=0), "expert_alignment")
+    expect_value_error(lambda: dispatch(num_worst_tokens=-1), "num_worst_tokens")
+    expect_value_error(lambda: dispatch(num_tokens_per_rank=None), "num_tokens_per_rank")
+    expect_value_error(lambda: dispatch(is_token_in_rank=args["is_token_in_rank"][:, :1]), "is_token_in_rank")
+    expect_value_error(lambda: dispatch(num_tokens_per_expert=args["num_tokens_per_expert"].long()),
                         "num_tokens_per_expert")
-    _expect_value_error(lambda: dispatch(topk_idx=None), "topk_idx")
-    _expect_value_error(lambda: dispatch(topk_idx=torch.full_like(idx, n_exp)), "topk_idx")
-    _expect_value_error(lambda: dispatch(x=x.double()), "x")
-    _expect_value_error(lambda: dispatch(x=x.t().contiguous().t()), "x", "contiguous")
-    _expect_value_error(lambda: dispatch(x=(x, x)), "x", "float8_e4m3fn")
-    _expect_value_error(lambda: dispatch(x=x[:, :100].contiguous(), payload="mxfp4"), "x", "32")
-    _expect_value_error(lambda: buf.dispatch(x, handle=handle, topk_idx=idx), "topk_idx", "handle")
-    _expect_value_error(lambda: buf.dispatch(x, handle=(1, 2)), "handle")
-    _expect_value_error(lambda: buf.dispatch(torch.cat((x, x)), handle=handle), "x", "tokens")
+    expect_value_error(lambda: dispatch(topk_idx=None), "topk_idx")
+    expect_value_error(lambda: dispatch(topk_idx=torch.full_like(idx, n_exp)), "topk_idx")
+    expect_value_error(lambda: dispatch(x=x.double()), "x")
+    expect_value_error(lambda: dispatch(x=x.t().contiguous().t()), "x", "contiguous")
+    expect_value_error(lambda: dispatch(x=(x, x)), "x", "float8_e4m3fn")
+    expect_value_error(lambda: dispatch(x=x[:, :100].contiguous(), payload="mxfp4"), "x", "32")
+    expect_value_error(lambda: buf.dispatch(x, handle=handle, topk_idx=idx), "topk_idx", "handle")
+    expect_value_error(lambda: buf.dispatch(x, handle=(1, 2)), "handle")
+    expect_value_error(lambda: buf.dispatch(torch.cat((x, x)), handle=handle), "x", "tokens")
     n = handle.num_rows
     y = torch.zeros(n, x.shape[1], dtype=torch.bfloat16)
-    _expect_value_error(lambda: buf.combine(torch.zeros(n + 1, x.shape[1], dtype=torch.bfloat16), handle), "x")
-    _expect_value_error(lambda: buf.combine(y, "handle"), "handle")
-    _expect_value_error(lambda: buf.combine(y, handle, torch.zeros(n, 3, dtype=torch.float64)), "topk_weights")
-    _expect_value_error(lambda: buf.combine(y, handle, bias=torch.zeros(1, 1, dtype=torch.bfloat16)), "bias")
-    _expect_value_error(lambda: buf.combine(y, handle, payload="int8"), "payload")
+    expect_value_error(lambda: buf.combine(torch.zeros(n + 1, x.shape[1], dtype=torch.bfloat16), handle), "x")
+    expect_value_error(lambda: buf.combine(y, "handle"), "handle")
+    expect_value_error(lambda: buf.combine(y, handle, torch.zeros(n, 3, dtype=torch.float64)), "topk_weights")
+    expect_value_error(lambda: buf.combine(y, handle, bias=torch.zeros(1, 1, dtype=torch.bfloat16)), "bias")
+    expect_value_error(lambda: buf.combine(y, handle, payload="int8"), "payload")
     # local calls (no collective)
-    _expect_value_error(lambda: buf.get_dispatch_layout(idx, n_exp + 1), "num_experts")
-    _expect_value_error(lambda: buf.get_dispatch_layout(idx.float(), n_exp), "topk_idx")
-    _expect_value_error(lambda: buf.get_dispatch_layout(idx, n_exp, previous_event=1), "previous_event")
-    _expect_value_error(lambda: Buffer(ctx.group, low_latency_mode=True), "low_latency_mode")
-    _expect_value_error(lambda: Buffer.set_num_sms(3), "new_num_sms")
-    _expect_value_error(lambda: buf.destroy(), "explicitly_destroy")
+    expect_value_error(lambda: buf.get_dispatch_layout(idx, n_exp + 1), "num_experts")
+    expect_value_error(lambda: buf.get_dispatch_layout(idx.float(), n_exp), "topk_idx")
+    expect_value_error(lambda: buf.get_dispatch_layout(idx, n_exp, previous_event=1), "previous_event")
+    expect_value_error(lambda: Buffer(ctx.group, low_latency_mode=True), "low_latency_mode")
+    expect_value_error(lambda: Buffer.set_num_sms(3), "new_num_sms")
+    expect_value_error(lambda: buf.destroy(), "explicitly_destroy")
     # the buffer still works after all of that
     again = buf.dispatch(x, handle=handle)[0]
     assert again.shape[0] == handle.num_rows
@@ -410,10 +400,10 @@ def case_bad_on_one_rank(ctx, seed, bad_rank):
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
     bad = rank == bad_rank
     words = ("payload",) if bad else ("rejected",)
-    _expect_value_error(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, payload="fp4" if bad else "bf16",
+    expect_value_error(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, payload="fp4" if bad else "bf16",
                                              **args), *words)
-    _expect_value_error(lambda: buf.dispatch(x, handle=handle, payload="fp4" if bad else "bf16"), *words)
-    _expect_value_error(lambda: buf.combine(recv_x, handle, payload="fp4" if bad else "bf16"), *words)
+    expect_value_error(lambda: buf.dispatch(x, handle=handle, payload="fp4" if bad else "bf16"), *words)
+    expect_value_error(lambda: buf.combine(recv_x, handle, payload="fp4" if bad else "bf16"), *words)
     out, _, _ = buf.combine(recv_x, handle)  # and the group still works
     return out.shape[0]
 

@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal
+from _compare import assert_bitwise_equal, expect_value_error
 
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
@@ -320,66 +320,56 @@ def case_autograd_sync_free(ctx, seed):
     return None
 
 
-def _expect_value_error(fn, *words):
-    try:
-        fn()
-    except ValueError as e:
-        msg = str(e)
-        assert all(wd in msg for wd in words), f"ValueError {msg!r} does not mention {words}"
-        return msg
-    raise AssertionError(f"expected ValueError mentioning {words}")
-
-
 def case_errors(ctx, seed):
     rank, world, dev = ctx.rank, ctx.world_size, ctx.device
     xs, idxs, ws, n_exp = make_world(seed, world)
     x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
     buf = Buffer(n_exp, ctx.group, payload="mxfp4")
     # experts that do not split over the world
-    _expect_value_error(lambda: Buffer(n_exp + 1, ctx.group), "num_experts")
+    expect_value_error(lambda: Buffer(n_exp + 1, ctx.group), "num_experts")
     # an id out of range on the last rank only: every rank raises
     bad = idx.clone()
     if rank == world - 1 and bad.numel():
         bad[0, 0] = n_exp
-    _expect_value_error(lambda: buf.dispatch(x, bad, w), "topk_idx", "out of range")
+    expect_value_error(lambda: buf.dispatch(x, bad, w), "topk_idx", "out of range")
     neg = idx.clone()
     if rank == 0 and neg.numel():
         neg[-1, -1] = -2
-    _expect_value_error(lambda: buf.dispatch(x, neg, w), "topk_idx")
+    expect_value_error(lambda: buf.dispatch(x, neg, w), "topk_idx")
     # hidden not a multiple of 32 (128 for fp8), on every rank
-    _expect_value_error(lambda: buf.dispatch(x[:, :48], idx, w), "x", "32")
-    _expect_value_error(lambda: buf.dispatch(x[:, :96], idx, w, payload="fp8"), "x", "128")
+    expect_value_error(lambda: buf.dispatch(x[:, :48], idx, w), "x", "32")
+    expect_value_error(lambda: buf.dispatch(x[:, :96], idx, w, payload="fp8"), "x", "128")
     # ranks that disagree on the hidden size
     xh = x[:, :96] if rank == 0 else x
-    _expect_value_error(lambda: buf.dispatch(xh, idx, w), "hidden")
+    expect_value_error(lambda: buf.dispatch(xh, idx, w), "hidden")
     # ranks that disagree on k
     kk = idx[:, :2] if rank == 1 else idx
     wk = w[:, :2] if rank == 1 else w
-    _expect_value_error(lambda: buf.dispatch(x, kk, wk), "num_topk")
+    expect_value_error(lambda: buf.dispatch(x, kk, wk), "num_topk")
     # dtype and device mismatches: the offending rank names the argument, the others abandon too
     xi = x.to(torch.int32) if rank == 0 else x
-    _expect_value_error(lambda: buf.dispatch(xi, idx, w), "x" if rank == 0 else "rejected")
+    expect_value_error(lambda: buf.dispatch(xi, idx, w), "x" if rank == 0 else "rejected")
     idf = idx.float() if rank == world - 1 else idx
-    _expect_value_error(lambda: buf.dispatch(x, idf, w), "topk_idx" if rank == world - 1 else "rejected")
+    expect_value_error(lambda: buf.dispatch(x, idf, w), "topk_idx" if rank == world - 1 else "rejected")
     xm = x.to("meta") if rank == 0 else x
-    _expect_value_error(lambda: buf.dispatch(xm, idx, w), "x" if rank == 0 else "rejected")
+    expect_value_error(lambda: buf.dispatch(xm, idx, w), "x" if rank == 0 else "rejected")
     wd = w.to(torch.int64) if rank == 0 else w
-    _expect_value_error(lambda: buf.dispatch(x, idx, wd), "topk_weights" if rank == 0 else "rejected")
+    expect_value_error(lambda: buf.dispatch(x, idx, wd), "topk_weights" if rank == 0 else "rejected")
     # after all that the group still works
     out = buf.dispatch(x, idx, w)
     # combine and cached dispatch: handle, row count and world-size mismatches
     y = out.values()
-    _expect_value_error(lambda: buf.combine(torch.cat((y, y.new_zeros(1, H))), out.handle), "y")
-    _expect_value_error(lambda: buf.combine(y, object()), "handle")
-    _expect_value_error(lambda: buf.dispatch(torch.cat((x, x.new_zeros(1, H))), handle=out.handle), "x")
+    expect_value_error(lambda: buf.combine(torch.cat((y, y.new_zeros(1, H))), out.handle), "y")
+    expect_value_error(lambda: buf.combine(y, object()), "handle")
+    expect_value_error(lambda: buf.dispatch(torch.cat((x, x.new_zeros(1, H))), handle=out.handle), "x")
     other = Buffer(n_exp * 2, ctx.group)
-    _expect_value_error(lambda: other.combine(y, out.handle), "handle", "world size")
+    expect_value_error(lambda: other.combine(y, out.handle), "handle", "world size")
     local = Buffer(n_exp, backend="local")
-    _expect_value_error(lambda: local.combine(y, out.handle), "handle")
+    expect_value_error(lambda: local.combine(y, out.handle), "handle")
     if dev.type == "cpu":
-        _expect_value_error(lambda: Buffer(n_exp, ctx.group, backend="nccl"), "backend")
+        expect_value_error(lambda: Buffer(n_exp, ctx.group, backend="nccl"), "backend")
     nw = Buffer(n_exp, ctx.group).dispatch(x, idx)
-    _expect_value_error(lambda: buf.combine(nw.values(), nw.handle), "weighted")
+    expect_value_error(lambda: buf.combine(nw.values(), nw.handle), "weighted")
     return None
 
 
@@ -399,7 +389,7 @@ def case_bad_input_on_one_rank(ctx, seed, entry, bad_rank):
     def one(good, bad, word):
         """Run ``bad`` on bad_rank and ``good`` elsewhere: ValueError everywhere, fast."""
         t0 = time.monotonic()
-        _expect_value_error(bad if me else good, word if me else "")
+        expect_value_error(bad if me else good, word if me else "")
         return time.monotonic() - t0
 
     cases = {
@@ -523,7 +513,7 @@ def case_sync_free_overflow(ctx, seed, backend=None):
     out = buf.dispatch(x, idx, w, max_recv_tokens=world * block)
     overflow = any(c > block for c in routed[rank]) or any(routed[s][rank] > block for s in range(world))
     if overflow:
-        _expect_value_error(out.handle.check, "max_recv_tokens")
+        expect_value_error(out.handle.check, "max_recv_tokens")
     else:
         out.handle.check()
     # rows: a capacity of one row below what the experts here need
@@ -531,21 +521,21 @@ def case_sync_free_overflow(ctx, seed, backend=None):
     big = world * (max(t.shape[0] for t in xs) + 1)
     out = buf.dispatch(x, idx, w, max_recv_tokens=big, max_recv_rows=max(need - 1, 0))
     if need:
-        _expect_value_error(out.handle.check, "max_recv_rows")
+        expect_value_error(out.handle.check, "max_recv_rows")
     else:
         out.handle.check()
     # bad input on the last rank: it raises at once (after the transfers), the others at check()
     bad = idx[:-1] if rank == world - 1 else idx
     if rank == world - 1:
-        _expect_value_error(lambda: buf.dispatch(x, bad, w, max_recv_tokens=big), "topk_idx")
+        expect_value_error(lambda: buf.dispatch(x, bad, w, max_recv_tokens=big), "topk_idx")
     else:
         out = buf.dispatch(x, bad, w, max_recv_tokens=big)
-        _expect_value_error(out.handle.check, "rejected")
+        expect_value_error(out.handle.check, "rejected")
     # argument checks (every rank, before any transfer)
-    _expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=world * block + 1), "max_recv_tokens")
-    _expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=0), "max_recv_tokens")
-    _expect_value_error(lambda: buf.dispatch(x, handle=out.handle, max_recv_tokens=big), "max_recv_tokens")
-    _expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=big, max_recv_rows=-1), "max_recv_rows")
+    expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=world * block + 1), "max_recv_tokens")
+    expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=0), "max_recv_tokens")
+    expect_value_error(lambda: buf.dispatch(x, handle=out.handle, max_recv_tokens=big), "max_recv_tokens")
+    expect_value_error(lambda: buf.dispatch(x, idx, w, max_recv_tokens=big, max_recv_rows=-1), "max_recv_rows")
     # the group still works
     buf.dispatch(x, idx, w).handle.check()
     return None
@@ -620,7 +610,7 @@ def case_expert_alignment(ctx, seed, payload, alignment):
         again = buf.dispatch(x2, handle=h)
         assert_bitwise_equal(again.rows[dst], buf.dispatch(x2, handle=ref.handle).rows, f"cached dispatch ({what})")
         assert int(again.rows[gap].count_nonzero()) == 0, what
-        _expect_value_error(lambda b=buf, t=x2, hd=h: b.dispatch(t, handle=hd, expert_alignment=alignment + 1),
+        expect_value_error(lambda b=buf, t=x2, hd=h: b.dispatch(t, handle=hd, expert_alignment=alignment + 1),
                             "expert_alignment", str(alignment))
         # with a multiple of 32 the column conversion of the rows takes the one-pass kernel
         if payload == "mxfp4" and alignment % 32 == 0 and sum(lens):
@@ -639,9 +629,9 @@ def case_expert_alignment(ctx, seed, payload, alignment):
             assert_bitwise_equal(cs, rs, f"fp8 column scales ({what})")
             assert_bitwise_equal(cg, rg, f"group offsets ({what})")
         else:
-            _expect_value_error(got.to_fp8_cols, "to_fp8_cols", "mxfp4")
+            expect_value_error(got.to_fp8_cols, "to_fp8_cols", "mxfp4")
     for bad in (0, -32, 2.0, True, "32"):
-        _expect_value_error(lambda a=bad: buf.dispatch(x, idx, w, expert_alignment=a), "expert_alignment",
+        expect_value_error(lambda a=bad: buf.dispatch(x, idx, w, expert_alignment=a), "expert_alignment",
                             "positive int")
     return None
 
@@ -860,7 +850,7 @@ def test_symm_backend_needs_nccl(pool):
 
 
 def case_symm_needs_nccl(ctx):
-    _expect_value_error(lambda: Buffer(6, ctx.group, backend="symm"), "backend", "NCCL")
+    expect_value_error(lambda: Buffer(6, ctx.group, backend="symm"), "backend", "NCCL")
     return None
 
 
