@@ -94,6 +94,12 @@ def expected_combine(xs, idxs, rank: int, ell: int, world: int, bias=None) -> to
     return acc.to(torch.bfloat16)
 
 
+def rank_inputs(ctx, seed: int):
+    """This rank's share of a random world: x, topk_idx, topk_weights, and the number of experts."""
+    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
+    return xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank], n_exp
+
+
 def layout_args(buf: Buffer, idx: torch.Tensor, num_experts: int) -> dict:
     per_rank, rdma, per_expert, in_rank, event = buf.get_dispatch_layout(idx, num_experts)
     assert rdma is None and isinstance(event, EventOverlap)
@@ -341,9 +347,7 @@ def case_worst_tokens(ctx, seed):
 
 def case_errors(ctx, seed):
     """Bad arguments raise ValueError naming them, on every rank (all ranks pass the same bad call)."""
-    rank, world = ctx.rank, ctx.world_size
-    xs, idxs, ws, n_exp = make_world(seed, world, "random")
-    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    x, idx, w, n_exp = rank_inputs(ctx, seed)
     buf = Buffer(ctx.group)
     args = layout_args(buf, idx, n_exp)
     _, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
@@ -392,13 +396,11 @@ def case_errors(ctx, seed):
 
 def case_bad_on_one_rank(ctx, seed, bad_rank):
     """A bad argument on one rank makes every rank raise ValueError (dispatch, cached dispatch, combine)."""
-    rank, world = ctx.rank, ctx.world_size
-    xs, idxs, ws, n_exp = make_world(seed, world, "random")
-    x, idx, w = xs[rank], idxs[rank], ws[rank]
+    x, idx, w, n_exp = rank_inputs(ctx, seed)
     buf = Buffer(ctx.group)
     args = layout_args(buf, idx, n_exp)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **args)
-    bad = rank == bad_rank
+    bad = ctx.rank == bad_rank
     words = ("payload",) if bad else ("rejected",)
     expect_value_error(lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w, payload="fp4" if bad else "bf16",
                                              **args), *words)
@@ -427,9 +429,23 @@ def run(pool, fn, seed, *args, world):
     return pool.run(fn, seed, *args, ranks=world, timeout_s=60)
 
 
+# Checks of one case on 2 and 3 ranks: (the case, its seed base; the seed is base + world).
+CHECKS = {
+    "layout_matches_hand_counts": (case_layout, SEED),
+    "padded_rows_and_float32_keep_their_bits": (case_awkward, SEED + 200),
+    "fp8_tuple_input": (case_fp8_tuple, SEED + 300),
+    "expert_alignment_pads_the_counts": (case_alignment, SEED + 400),
+    "mxfp4_payload_within_documented_error": (case_mxfp4, SEED + 500),
+    "num_worst_tokens_shapes": (case_worst_tokens, SEED + 600),
+    "bad_input_raises_value_error_naming_it": (case_errors, SEED + 700),
+}
+
+
 @pytest.mark.parametrize("world", [2, 3])
-def test_layout_matches_hand_counts(pool, world):
-    run(pool, case_layout, SEED + world, world=world)
+@pytest.mark.parametrize("check", CHECKS)
+def test_check_on_every_rank(pool, check, world):
+    case, seed_base = CHECKS[check]
+    run(pool, case, seed_base + world, world=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -439,36 +455,6 @@ def test_dispatch_combine_match_reference(pool, world, scenario, dyadic):
     seed = SEED + 100 + 10 * world + SCENARIOS.index(scenario)
     received = run(pool, case_roundtrip, seed, scenario, dyadic, world=world)
     assert sum(received) > 0, f"seed {seed}: no token was dispatched"
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_padded_rows_and_float32_keep_their_bits(pool, world):
-    run(pool, case_awkward, SEED + 200 + world, world=world)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_fp8_tuple_input(pool, world):
-    run(pool, case_fp8_tuple, SEED + 300 + world, world=world)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_expert_alignment_pads_the_counts(pool, world):
-    run(pool, case_alignment, SEED + 400 + world, world=world)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_mxfp4_payload_within_documented_error(pool, world):
-    run(pool, case_mxfp4, SEED + 500 + world, world=world)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_num_worst_tokens_shapes(pool, world):
-    run(pool, case_worst_tokens, SEED + 600 + world, world=world)
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_bad_input_raises_value_error_naming_it(pool, world):
-    run(pool, case_errors, SEED + 700 + world, world=world)
 
 
 @pytest.mark.parametrize("world,bad_rank", [(2, 1), (3, 0)])
