@@ -127,6 +127,22 @@ def test_sync_free_graph_local_backend(payload):
     run_graph_case(Buffer(E, payload=payload, backend=LocalBackend("cuda")), SEED, payload)
 
 
+def _spawn_world_of_one(target, *args) -> None:
+    """target(init_file, *args, errors) in a spawned process (its own NCCL process group of one GPU,
+    initialised from init_file); fails on a traceback it puts in errors, a nonzero exit or 240 s."""
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        proc = ctx.Process(target=target, args=(os.path.join(d, "init"), *args, errors))
+        proc.start()
+        proc.join(240)
+        if proc.is_alive():
+            proc.kill()
+            pytest.fail("the NCCL world of one did not finish within 240 s")
+    assert errors.empty(), errors.get()
+    assert proc.exitcode == 0
+
+
 def _nccl_world_of_one(init_file: str, errors) -> None:
     import torch.distributed as dist
 
@@ -142,17 +158,7 @@ def _nccl_world_of_one(init_file: str, errors) -> None:
 
 @pytest.mark.gpu
 def test_sync_free_graph_nccl_world_of_one():
-    ctx = multiprocessing.get_context("spawn")
-    errors = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        proc = ctx.Process(target=_nccl_world_of_one, args=(os.path.join(d, "init"), errors))
-        proc.start()
-        proc.join(240)
-        if proc.is_alive():
-            proc.kill()
-            pytest.fail("the NCCL world of one did not finish within 240 s")
-    assert errors.empty(), errors.get()
-    assert proc.exitcode == 0
+    _spawn_world_of_one(_nccl_world_of_one)
 
 
 @pytest.mark.gpu
@@ -233,14 +239,4 @@ def _world_of_one_num_sms(init_file: str, backend, errors) -> None:
 def test_num_sms_same_bits_world_of_one(backend):
     """num_sms over an NCCL process group of one GPU, and over the symm backend on it (the push into
     its own rows, the sums over its own buffer)."""
-    ctx = multiprocessing.get_context("spawn")
-    errors = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        proc = ctx.Process(target=_world_of_one_num_sms, args=(os.path.join(d, "init"), backend, errors))
-        proc.start()
-        proc.join(240)
-        if proc.is_alive():
-            proc.kill()
-            pytest.fail("the NCCL world of one did not finish within 240 s")
-    assert errors.empty(), errors.get()
-    assert proc.exitcode == 0
+    _spawn_world_of_one(_world_of_one_num_sms, backend)
