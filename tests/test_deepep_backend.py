@@ -236,6 +236,13 @@ def _pair(ctx, n_exp):
     return Buffer(n_exp, ctx.group), _deepep(ctx, n_exp)
 
 
+def _random_inputs_and_pair(ctx, seed):
+    """This rank's share of a random world on its GPU (x, topk_idx, topk_weights), _pair's two
+    Buffers, and the number of experts."""
+    xs, idxs, ws, n_exp = make_world(seed, ctx.world_size, "random")
+    return _to(ctx.device, xs[ctx.rank], idxs[ctx.rank], ws[ctx.rank]), _pair(ctx, n_exp), n_exp
+
+
 def _same_output(out, ref, what: str) -> None:
     check_tables(out.handle, ref.handle, what)
     assert_bitwise_equal(out.recv_rows, ref.recv_rows, f"{what}: received rows")
@@ -281,10 +288,8 @@ def case_against_nccl(ctx, seed, scenario, payload, alignment, hidden=H):
 
 
 def case_cached_and_return_fp8(ctx, seed):
-    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    xs, idxs, ws, n_exp = make_world(seed, world, "random")
-    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
-    nccl, deepep = _pair(ctx, n_exp)
+    rank, dev = ctx.rank, ctx.device
+    (x, idx, w), (nccl, deepep), _ = _random_inputs_and_pair(ctx, seed)
     ref = nccl.dispatch(x, idx, w, payload="bf16", expert_alignment=4)
     out = deepep.dispatch(x, idx, w, payload="bf16", expert_alignment=4)
     x2 = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed ^ rank)).to(dev, torch.bfloat16)
@@ -303,10 +308,8 @@ def case_cached_and_return_fp8(ctx, seed):
 
 
 def case_errors_and_num_sms(ctx, seed):
-    rank, world, dev = ctx.rank, ctx.world_size, ctx.device
-    xs, idxs, ws, n_exp = make_world(seed, world, "random")
-    x, idx, w = _to(dev, xs[rank], idxs[rank], ws[rank])
-    nccl, deepep = _pair(ctx, n_exp)
+    rank = ctx.rank
+    (x, idx, w), (nccl, deepep), n_exp = _random_inputs_and_pair(ctx, seed)
     assert deepep.backend.name == "deepep" and deepep.device == torch.device("cuda", rank)
     out = deepep.dispatch(x, idx, w, payload="mxfp4", return_fp8=True)
     y = out.values(torch.bfloat16)
