@@ -673,27 +673,37 @@ def _group_errors(grads: dict, ref: dict) -> dict:
             for k, ns in groups.items() if ns}
 
 
-def _case_gpt_forward_backward(ctx, payload, backend, seed):
-    _init_parallel(ctx)
-    model = _gpt_model(seed)
-    hooks = _round_experts_input(model, payload)
-    ref_routing: list = []
-    hooks += _record_routing(model, ref_routing)
-    ref_loss = _gpt_loss(model, ctx.rank, 0)
-    ref_loss.backward()
-    ref_grads = _grads(model)
-    for h in hooks:
-        h.remove()
-    model.zero_grad(set_to_none=True)
-
-    mc.apply(model, payload=payload, backend=backend)
+def _loss_backward(model, rank: int):
+    """The loss of step 0's batch, its backward, and the routing_map of every MoE layer: (loss, routing)."""
     routing: list = []
     hooks = _record_routing(model, routing)
-    loss = _gpt_loss(model, ctx.rank, 0)
+    loss = _gpt_loss(model, rank, 0)
     loss.backward()
+    for h in hooks:
+        h.remove()
+    return loss, routing
+
+
+def _megatron_reference(model, payload, rank: int):
+    """Megatron's own layers with the experts' input rounded as ``payload`` rounds it: (loss, gradients,
+    routing) of _loss_backward; the model's gradients are cleared afterwards."""
+    hooks = _round_experts_input(model, payload)
+    loss, routing = _loss_backward(model, rank)
     grads = _grads(model)
     for h in hooks:
         h.remove()
+    model.zero_grad(set_to_none=True)
+    return loss, grads, routing
+
+
+def _case_gpt_forward_backward(ctx, payload, backend, seed):
+    _init_parallel(ctx)
+    model = _gpt_model(seed)
+    ref_loss, ref_grads, ref_routing = _megatron_reference(model, payload, ctx.rank)
+
+    mc.apply(model, payload=payload, backend=backend)
+    loss, routing = _loss_backward(model, ctx.rank)
+    grads = _grads(model)
     mc.revert(model)
 
     flips = [int((a != b).any(dim=1).sum()) for a, b in zip(routing, ref_routing)]
@@ -716,23 +726,10 @@ def _case_gpt_fp8_experts(ctx, payload, save, backend, seed):
     the rest) within EXPERTS_BOUNDS[save]."""
     _init_parallel(ctx)
     model = _gpt_model(seed, num_layers=1, gated_linear_unit=True, activation_func=torch.nn.functional.silu)
-    hooks = _round_experts_input(model, payload)
-    ref_routing: list = []
-    hooks += _record_routing(model, ref_routing)
-    ref_loss = _gpt_loss(model, ctx.rank, 0)
-    ref_loss.backward()
-    ref_grads = _grads(model)
-    for h in hooks:
-        h.remove()
-    model.zero_grad(set_to_none=True)
+    ref_loss, ref_grads, ref_routing = _megatron_reference(model, payload, ctx.rank)
 
     layers = mc.apply(model, payload=payload, backend=backend, experts="moe_fp4", save=save)
-    routing: list = []
-    hooks = _record_routing(model, routing)
-    loss = _gpt_loss(model, ctx.rank, 0)
-    loss.backward()
-    for h in hooks:
-        h.remove()
+    loss, routing = _loss_backward(model, ctx.rank)
     names = {id(m): n for n, m in model.named_modules()}
     grads = {n: g for n, g in _grads(model).items() if not n.endswith((".experts.w1", ".experts.w2"))}
     for layer in layers:
