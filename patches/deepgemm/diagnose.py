@@ -177,6 +177,17 @@ def rel_err(x, y):
     return ((x - y).norm() / y.norm().clamp_min(1e-30)).item()
 """
 
+# one BF16 GEMM [256, 512] x [384, 512]^T through deep_gemm.{gemm}
+BF16_GEMM = r"""
+import torch, deep_gemm
+a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
+d = torch.empty(256, 384, device="cuda", dtype=torch.bfloat16)
+deep_gemm.{gemm}(a, b, d)
+torch.cuda.synchronize()
+say("{what} rel err", rel_err(d, a.float() @ b.float().T))
+"""
+
 STEPS = {
     "selftest": r"""
 say("reading address 8 on purpose")
@@ -207,15 +218,7 @@ say("device", torch.cuda.get_device_name(), torch.cuda.get_device_capability())
 say("num_sms", deep_gemm.get_num_sms())  # first DeviceRuntime use: cublasLtCreate, workspace, device props
 libs("after DeviceRuntime")
 """,
-    "cublaslt": r"""
-import torch, deep_gemm
-a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
-d = torch.empty(256, 384, device="cuda", dtype=torch.bfloat16)
-deep_gemm.cublaslt_gemm_nt(a, b, d)
-torch.cuda.synchronize()
-say("cublaslt rel err", rel_err(d, a.float() @ b.float().T))
-""",
+    "cublaslt": BF16_GEMM.format(gemm="cublaslt_gemm_nt", what="cublaslt"),
     "driver": r"""
 import subprocess, tempfile, torch
 from ctypes import byref, c_int, c_uint, c_uint32, c_uint64, c_void_p, cast, Structure
@@ -273,15 +276,7 @@ out = deep_gemm.get_mn_major_tma_aligned_tensor(sf)
 torch.cuda.synchronize()
 say("out", tuple(out.shape), out.stride(), "equal:", torch.equal(out, sf))
 """,
-    "bf16_gemm": r"""
-import torch, deep_gemm
-a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(384, 512, device="cuda", dtype=torch.bfloat16)
-d = torch.empty(256, 384, device="cuda", dtype=torch.bfloat16)
-deep_gemm.bf16_gemm_nt(a, b, d)
-torch.cuda.synchronize()
-say("bf16 rel err", rel_err(d, a.float() @ b.float().T))
-""",
+    "bf16_gemm": BF16_GEMM.format(gemm="bf16_gemm_nt", what="bf16"),
     "fp8_gemm": r"""
 import torch, deep_gemm
 from deep_gemm.utils.math import per_token_cast_to_fp8, per_block_cast_to_fp8
