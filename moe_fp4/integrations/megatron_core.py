@@ -112,19 +112,27 @@ def _megatron():
     return token_dispatcher, moe_layer, ProcessGroupCollection
 
 
+def _required_options(config, rules) -> list[str]:
+    """One phrase per rule (option, required, why) that config breaks: a required None asks for None,
+    False or 0 for a false value; an absent option keeps the required one. why, if any, follows in
+    parentheses."""
+    problems = []
+    for name, required, why in rules:
+        value = getattr(config, name, required)
+        if value is not None if required is None else bool(value):
+            problems.append(f"{name} must be {required}" + (f" ({why})" if why else ""))
+    return problems
+
+
 def _config_problems(config) -> list[str]:
     """What of a TransformerConfig the dispatcher does not do, one phrase per option."""
-    problems = []
-    if getattr(config, "moe_expert_capacity_factor", None) is not None:
-        problems.append("moe_expert_capacity_factor (token dropping) must be None")
-    if getattr(config, "moe_pad_expert_input_to_capacity", False):
-        problems.append("moe_pad_expert_input_to_capacity must be False")
-    if getattr(config, "moe_router_padding_for_quantization", False):
-        problems.append("moe_router_padding_for_quantization must be False")
-    if getattr(config, "moe_shared_expert_overlap", False):
-        problems.append("moe_shared_expert_overlap must be False (shared experts run beside the layer instead)")
-    if getattr(config, "overlap_moe_expert_parallel_comm", False):
-        problems.append("overlap_moe_expert_parallel_comm must be False")
+    problems = _required_options(config, (
+        ("moe_expert_capacity_factor", None, "token dropping"),
+        ("moe_pad_expert_input_to_capacity", False, ""),
+        ("moe_router_padding_for_quantization", False, ""),
+        ("moe_shared_expert_overlap", False, "shared experts run beside the layer instead"),
+        ("overlap_moe_expert_parallel_comm", False, ""),
+    ))
     if getattr(config, "cuda_graph_impl", "none") not in (None, "none") or getattr(config, "enable_cuda_graph", False):
         problems.append("CUDA graphs must be off (cuda_graph_impl='none'): the dispatch waits on the host once "
                         "for the token counts")
@@ -295,16 +303,13 @@ def _experts_config_problems(config) -> list[str]:
         problems.append("the experts must be gated SwiGLU (gated_linear_unit=True, activation_func=F.silu), got "
                         f"gated_linear_unit={getattr(config, 'gated_linear_unit', None)}, activation_func="
                         f"{getattr(getattr(config, 'activation_func', None), '__name__', None)}")
-    if getattr(config, "glu_linear_offset", 0.0):
-        problems.append("glu_linear_offset must be 0")
-    if getattr(config, "activation_func_clamp_value", None) is not None:
-        problems.append("activation_func_clamp_value must be None")
-    if getattr(config, "moe_mlp_glu_interleave_size", None) is not None:
-        problems.append("moe_mlp_glu_interleave_size must be None (gate rows, then up rows)")
-    if getattr(config, "add_bias_linear", False):
-        problems.append("add_bias_linear must be False (the experts have no biases)")
-    if getattr(config, "moe_apply_probs_on_input", False):
-        problems.append("moe_apply_probs_on_input must be False (the probs weight the SwiGLU output)")
+    problems += _required_options(config, (
+        ("glu_linear_offset", 0, ""),
+        ("activation_func_clamp_value", None, ""),
+        ("moe_mlp_glu_interleave_size", None, "gate rows, then up rows"),
+        ("add_bias_linear", False, "the experts have no biases"),
+        ("moe_apply_probs_on_input", False, "the probs weight the SwiGLU output"),
+    ))
     hidden = getattr(config, "moe_latent_size", None) or config.hidden_size
     for name, v in (("hidden_size", hidden), ("moe_ffn_hidden_size", config.moe_ffn_hidden_size)):
         if v % EXPERTS_ALIGN:
