@@ -11,14 +11,8 @@
 # and the *_S time limits of each step.
 set -u
 cd "$(dirname "$0")/.."
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export MOE_FP4_BUILD_DIR="${MOE_FP4_BUILD_DIR:-$PWD/build/native}"
 OUT="${OUT:-/tmp/moe_fp4_moe}"
-mkdir -p "$OUT"
-t0=$SECONDS
-{ date -u; nvidia-smi -L; python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
-  > "$OUT/device.txt" 2>&1
+. benchmarks/gpu_env.sh
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 
 timeout "${BUILD_S:-150}" python -m moe_fp4 build > "$OUT/build.log" 2>&1
