@@ -93,6 +93,13 @@ class PayloadCodec:
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_x(x)
+        if x.shape[0] == 0:  # (no token: the quantizers are not called)
+            return self.empty_rows(x.shape[1], x.device)
+        return self._encode(x)
+
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
+        """encode of a checked x of at least one token."""
         raise NotImplementedError
 
     def encode_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -200,8 +207,7 @@ class BF16Payload(PayloadCodec):
         self.check_hidden(hidden, "hidden")
         return 2 * hidden
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_x(x)
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
         return _bytes_of(x.to(torch.bfloat16))
 
     def encode_into(self, x, out):
@@ -237,8 +243,7 @@ class FP8Payload(PayloadCodec):
         self.check_hidden(hidden, "hidden")
         return hidden + 4 * (hidden // FP8_GROUP)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_x(x)
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
         data, scales = _quantize_fp8(x)
         return torch.cat((data.view(torch.uint8), _bytes_of(scales)), dim=1)
 
@@ -286,10 +291,7 @@ class MXFP4Payload(PayloadCodec):
         self.check_hidden(hidden, "hidden")
         return formats.mxfp4_row_bytes(hidden)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_x(x)
-        if x.shape[0] == 0:
-            return self.empty_rows(x.shape[1], x.device)
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
         return ops.quantize_mxfp4_rows(x, scale_rounding=self.scale_rounding)
 
     def encode_into(self, x, out):
@@ -366,10 +368,7 @@ class NVFP4Payload(PayloadCodec):
         self.check_hidden(hidden, "hidden")
         return formats.nvfp4_row_bytes(hidden)
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_x(x)
-        if x.shape[0] == 0:
-            return self.empty_rows(x.shape[1], x.device)
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
         return ops.quantize_nvfp4_rows(x)
 
     def split(self, rows: torch.Tensor, hidden: int):
