@@ -5,8 +5,9 @@
 # breakdown of the mxfp4 path. Logs go to $OUT (default /tmp/moe_fp4_dispatch); a summary is printed last.
 #   bash benchmarks/run_gpu_dispatch.sh
 # Environment: TOKENS (tokens per rank, comma separated), FORMATS, BACKENDS, TIMING (host or device),
-# ITERS, HF=0 (skip the transformers tests), PROFILE=1, DEEPEP=1 (DeepEP's rows in the same run: a
-# deep_ep wheel built by patches/deepep/build.sh must be installed), NUM_SMS (a second benchmark run
+# ITERS, HF=0 (skip the transformers tests), PROFILE=1, DEEPEP=1 (DeepEP's own rows and backend="deepep"
+# in the same run, and tests/test_deepep_backend.py: a deep_ep wheel built by patches/deepep/build.sh must
+# be installed), NUM_SMS (a second benchmark run
 # with that SM budget, e.g. 24: Buffer.set_num_sms), and the *_S time limits of each step.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,6 +34,14 @@ timeout -s INT -k 10 "${TESTS_S:-150}" python -m pytest -q -p no:cacheprovider $
 tests_rc=$?
 echo "tests: rc=$tests_rc ($((SECONDS - t0)) s)"
 
+# backend="deepep" against the nccl backend (DEEPEP=1)
+if [ "${DEEPEP:-0}" = 1 ]; then
+  timeout -s INT -k 10 "${DEEPEP_S:-200}" python -m pytest -q -p no:cacheprovider tests/test_deepep_backend.py \
+    > "$OUT/tests_deepep.log" 2>&1
+  echo "deepep tests: rc=$? ($((SECONDS - t0)) s): $(tail -1 "$OUT/tests_deepep.log")"
+fi
+backends="${BACKENDS:-nccl,symm$([ "${DEEPEP:-0}" = 1 ] && echo ,deepep)}"
+
 # the transformers integration on 2 GPUs (HF=0 skips it)
 hf_rc=skipped
 if [ "${HF:-1}" = 1 ]; then
@@ -43,14 +52,14 @@ if [ "${HF:-1}" = 1 ]; then
 fi
 
 timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
-  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} $([ "${DEEPEP:-0}" = 1 ] && echo --deepep) --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "${BACKENDS:-nccl,symm}" --breakdown --out "$OUT/dispatch.md" \
+  ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} ${PROFILE:+--profile-layout} $([ "${DEEPEP:-0}" = 1 ] && echo --deepep) --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" --backends "$backends" --breakdown --out "$OUT/dispatch.md" \
   > "$OUT/bench.log" 2>&1
 bench_rc=$?
 echo "bench: rc=$bench_rc ($((SECONDS - t0)) s)"
 if [ -n "${NUM_SMS:-}" ]; then  # the same table under the SM budget (goal: mxfp4 link >= 85% at num_sms 24)
   timeout -s INT -k 10 "${BENCH_S:-150}" python -m moe_fp4 bench dispatch --iters "${ITERS:-10}" --warmup 2 \
     ${TOKENS:+--tokens "$TOKENS"} ${TIMING:+--timing "$TIMING"} --num-sms "$NUM_SMS" --formats "${FORMATS:-bf16,fp8,mxfp4,nvfp4}" \
-    --backends "${BACKENDS:-nccl,symm}" --out "$OUT/dispatch_num_sms.md" > "$OUT/bench_num_sms.log" 2>&1
+    --backends "$backends" --out "$OUT/dispatch_num_sms.md" > "$OUT/bench_num_sms.log" 2>&1
   echo "bench num_sms=$NUM_SMS: rc=$? ($((SECONDS - t0)) s)"
 fi
 
