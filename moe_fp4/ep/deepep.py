@@ -74,6 +74,7 @@ INTRANODE_RANKS = (2, 4, 8)
 NVL_PEERS = 8  # GPUs of one host in DeepEP's internode layout
 MAX_TOPK = 32  # DeepEP's kernels: one lane per slot
 MAX_LOCAL_EXPERTS = 128  # DeepEP's intranode notify kernel: one thread per local expert
+BUFFER_ALIGN = 128  # bytes: DeepEP's NUM_BUFFER_ALIGNMENT_BYTES, of which both buffer sizes are multiples
 
 
 def import_deep_ep():
@@ -185,8 +186,9 @@ class DeepEPHandle(DispatchHandle):
 class DeepEPBackend(AllToAllBackend):
     """Dispatch and combine through ``deep_ep.Buffer`` over an NCCL process group (see the module
     docstring). group: the process group (None: the default group); num_nvl_bytes / num_rdma_bytes:
-    the sizes of DeepEP's first buffer (0: sized at the first dispatch); it grows when a call needs
-    more. ``all_to_all`` (the small transfers of ``row_weights_with_grad``) goes through NCCL."""
+    the sizes of DeepEP's first buffer (0: sized at the first dispatch; rounded up to BUFFER_ALIGN;
+    RDMA memory only across hosts); it grows when a call needs more. ``all_to_all`` (the small
+    transfers of ``row_weights_with_grad``) goes through NCCL."""
 
     name = "deepep"
     routes_tokens = True
@@ -201,10 +203,13 @@ class DeepEPBackend(AllToAllBackend):
             raise ValueError(f"group: the deepep backend needs an NCCL process group (DeepEP runs on the GPUs), "
                              f"got a {self._nccl.name!r} group")
         check_world(self._nccl.world_size)
+        if num_rdma_bytes and self._nccl.world_size <= NVL_PEERS:  # (DeepEP asserts it: no RDMA intranode)
+            raise ValueError(f"num_rdma_bytes: DeepEP's normal kernels use RDMA memory only across hosts (more than "
+                             f"{NVL_PEERS} ranks); this group has {self._nccl.world_size}, got {num_rdma_bytes}")
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world_size, self.device = self._nccl.rank, self._nccl.world_size, self._nccl.device
         self._sm90 = bool(self._deep_ep.Buffer.is_sm90_compiled())
-        self._sizes = (num_nvl_bytes, num_rdma_bytes)
+        self._sizes = tuple(-(-v // BUFFER_ALIGN) * BUFFER_ALIGN for v in (num_nvl_bytes, num_rdma_bytes))
         self._runtime = None  # the deep_ep.Buffer, made at the first dispatch
         self._configs: dict[int, tuple] = {}
 
@@ -250,6 +255,8 @@ class DeepEPBackend(AllToAllBackend):
         rows = codec.encode(x)
         if rows.shape[1] != wire:
             rows = torch.nn.functional.pad(rows, (0, wire - rows.shape[1]))
+        elif rows.data_ptr() % 16:  # (bf16: x itself, a view at any offset; DeepEP loads 16-byte words)
+            rows = rows.clone()
         return rows.view(torch.bfloat16)
 
     @staticmethod
