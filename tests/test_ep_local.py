@@ -966,3 +966,41 @@ def test_dispatch_bench_report_marks_gpu_goals_and_cpu_noise():
     assert "noise-dominated" in bench.noise_note(rows, "cpu") and "150%" in bench.noise_note(rows, "cpu")
     assert "150%" in bench.noise_note(rows, "cuda")
     assert bench.noise_note([row("bf16", 100.0, 0.1)], "cuda") is None
+
+
+def test_row_weights_with_grad_matches_the_weighted_combine():
+    """An expert layer that weights its rows itself (row_weights_with_grad, then an unweighted combine)
+    gives the weighted combine's output and the same gradients of the expert rows and of the top-k
+    weights (float32 rounding apart), with expert alignment (gap rows weigh 0) and -1 slots."""
+    from moe_fp4.ep import combine_with_grad, dispatch_with_grad, row_weights_with_grad
+
+    seed = 3141  # (fixed: the routing and values of this test)
+    gen = torch.Generator().manual_seed(seed)
+    t, h, e, k = 40, 64, 6, 3
+    x = torch.randn(t, h, generator=gen)
+    idx = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    idx[::5, -1] = -1
+    w0 = torch.rand(t, k, generator=gen)
+    dz = torch.randn(t, h, generator=gen)
+    buf = Buffer(e, payload="bf16")
+    runs = []
+    for inside in (False, True):
+        w = w0.clone().requires_grad_()
+        _, out = dispatch_with_grad(buf, x, idx, w, expert_alignment=8)
+        y = (torch.randn(out.handle.num_rows, h, generator=torch.Generator().manual_seed(seed + 1))
+             .requires_grad_())
+        if inside:
+            rw = row_weights_with_grad(buf, out.handle, w)
+            assert bool((rw[out.handle.expand_row < 0] == 0).all())
+            z = combine_with_grad(buf, y * rw.unsqueeze(1), out.handle, weighted=False)
+        else:
+            z = combine_with_grad(buf, y, out.handle, w)
+        z.float().backward(dz)
+        runs.append((z.detach().float(), y.grad, w.grad))
+    for a, b in zip(*runs):
+        assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-5), float((a - b).abs().max())
+    with pytest.raises(ValueError, match="topk_weights"):
+        row_weights_with_grad(buf, out.handle, w0[:, :2])
+    no_weights = buf.dispatch(x, idx).handle
+    with pytest.raises(ValueError, match="handle"):
+        row_weights_with_grad(buf, no_weights, w0)
