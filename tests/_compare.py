@@ -1,9 +1,21 @@
-"""Shared comparison helpers: bitwise equality that names the first mismatching coordinate, and the
-ValueError that must name what is wrong."""
+"""Shared comparison helpers: bitwise equality that names the first mismatching coordinate, the
+ValueError that must name what is wrong, and each test's fixed seed."""
+
+import os
+import zlib
 
 import torch
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def case_seed() -> int:
+    """This test's seed: fixed (a CRC of the test's id, parameters included, so every run draws the same
+    inputs) and printed (pytest shows it with a failure)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    seed = zlib.crc32(test.encode()) & ((1 << 30) - 1)
+    print(f"seed {seed} ({test})")
+    return seed
 
 
 def as_bits(t: torch.Tensor) -> torch.Tensor:

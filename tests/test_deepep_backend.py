@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import random
 import sys
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal
+from _compare import assert_bitwise_equal, case_seed
 from test_ep_dist import H, _to, make_world
 
 from moe_fp4.ep import Buffer, DispatchOutput, make_backend
@@ -35,11 +34,6 @@ from moe_fp4.ep.deepep import (
     received_layout,
     wire_bytes,
 )
-
-
-def fresh_seed() -> int:
-    return random.randrange(1 << 30)
-
 
 # ------------------------------------------------------------------------------------------------
 # CPU: errors and checks
@@ -197,7 +191,7 @@ def gloo_pool():
 @pytest.mark.parametrize("scenario", ["random", "empty_rank", "duplicates", "no_route", "k_gt_local"])
 def test_received_layout_equals_the_gloo_backends(gloo_pool, world, scenario):
     for payload, alignment, weighted in (("bf16", 1, True), ("mxfp4", 8, True), ("nvfp4", 1, False)):
-        gloo_pool.run(case_received_layout, fresh_seed(), scenario, payload, alignment, weighted, ranks=world)
+        gloo_pool.run(case_received_layout, case_seed(), scenario, payload, alignment, weighted, ranks=world)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,20 +343,20 @@ def nccl_pool():
 @pytest.mark.parametrize("payload,alignment", [("bf16", 1), ("bf16", 32), ("mxfp4", 1), ("mxfp4", 32), ("fp8", 8),
                                                ("nvfp4", 1)])
 def test_deepep_equals_nccl(nccl_pool, scenario, payload, alignment):
-    nccl_pool.run(case_against_nccl, fresh_seed(), scenario, payload, alignment)
+    nccl_pool.run(case_against_nccl, case_seed(), scenario, payload, alignment)
 
 
 @needs_deepep
 @pytest.mark.parametrize("payload,hidden", [("mxfp4", 7168), ("bf16", 7168), ("nvfp4", 2048)])
 def test_deepep_equals_nccl_at_model_hidden_sizes(nccl_pool, payload, hidden):
-    nccl_pool.run(case_against_nccl, fresh_seed(), "random", payload, 1, hidden)
+    nccl_pool.run(case_against_nccl, case_seed(), "random", payload, 1, hidden)
 
 
 @needs_deepep
 def test_deepep_cached_dispatch_and_return_fp8(nccl_pool):
-    nccl_pool.run(case_cached_and_return_fp8, fresh_seed())
+    nccl_pool.run(case_cached_and_return_fp8, case_seed())
 
 
 @needs_deepep
 def test_deepep_errors_and_num_sms(nccl_pool):
-    nccl_pool.run(case_errors_and_num_sms, fresh_seed())
+    nccl_pool.run(case_errors_and_num_sms, case_seed())

@@ -8,12 +8,11 @@ in test_ep_gpu.py.
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal, expect_value_error
+from _compare import assert_bitwise_equal, case_seed, expect_value_error
 
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad
@@ -758,9 +757,6 @@ def pool():
     p.close()
 
 
-def fresh_seed() -> int:
-    return random.randrange(1 << 30)
-
 
 def test_backend_follows_group(pool):
     def_name = pool.run(case_backend_name, ranks=2)
@@ -776,7 +772,7 @@ def case_backend_name(ctx):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_roundtrip_bf16_matches_single_process_moe(pool, world, scenario):
-    seed = fresh_seed()
+    seed = case_seed()
     rows = pool.run(case_roundtrip_bf16, seed, scenario, ranks=world)
     assert sum(rows) > 0, f"seed {seed}: no rows were dispatched"
 
@@ -784,13 +780,13 @@ def test_roundtrip_bf16_matches_single_process_moe(pool, world, scenario):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "nvfp4", "bf16"])
 def test_received_rows_equal_spec(pool, world, payload):
-    pool.run(case_payload_rows, fresh_seed(), payload, ranks=world)
+    pool.run(case_payload_rows, case_seed(), payload, ranks=world)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("backward_payload", ["bf16", "fp8"])
 def test_autograd_matches_single_process(pool, world, backward_payload):
-    pool.run(case_autograd, fresh_seed(), backward_payload, ranks=world)
+    pool.run(case_autograd, case_seed(), backward_payload, ranks=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -816,13 +812,13 @@ def test_sync_free_overflow_and_errors_are_reported(pool, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_errors_raise_value_error_on_every_rank(pool, world):
-    pool.run(case_errors, fresh_seed(), ranks=world)
+    pool.run(case_errors, case_seed(), ranks=world)
 
 
 @pytest.mark.parametrize("entry", ["dispatch", "sync_free", "cached_dispatch", "combine", "autograd"])
 @pytest.mark.parametrize("world,bad_rank", [(2, 1), (3, 0)])
 def test_bad_input_on_one_rank_raises_on_every_rank(pool, entry, world, bad_rank):
-    slowest = pool.run(case_bad_input_on_one_rank, fresh_seed(), entry, bad_rank, ranks=world, timeout_s=60)
+    slowest = pool.run(case_bad_input_on_one_rank, case_seed(), entry, bad_rank, ranks=world, timeout_s=60)
     assert max(slowest) < 5.0, f"a failing call took {max(slowest):.1f} s"
 
 
@@ -830,19 +826,19 @@ def test_bad_input_on_one_rank_raises_on_every_rank(pool, entry, world, bad_rank
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("mxfp4", 128), ("bf16", 8), ("fp8", 16),
                                                ("nvfp4", 32), ("mxfp4", 1)])
 def test_expert_alignment(pool, world, payload, alignment):
-    pool.run(case_expert_alignment, fresh_seed(), payload, alignment, ranks=world)
+    pool.run(case_expert_alignment, case_seed(), payload, alignment, ranks=world)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_autograd_with_expert_alignment(pool, world):
-    pool.run(case_autograd_aligned, fresh_seed(), 32, ranks=world)
+    pool.run(case_autograd_aligned, case_seed(), 32, ranks=world)
 
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("scenario", ["random", "empty_rank"])
 def test_direct_plan_indexes_agree_across_ranks(pool, world, scenario):
-    check_direct_plan(pool.run(case_direct_plan, fresh_seed(), scenario, ranks=world))
+    check_direct_plan(pool.run(case_direct_plan, case_seed(), scenario, ranks=world))
 
 
 def test_symm_backend_needs_nccl(pool):
@@ -856,5 +852,5 @@ def case_symm_needs_nccl(ctx):
 
 def test_missing_peer_times_out_with_an_error(pool):
     # last: the short-timeout group is left broken
-    res = pool.run(case_timeout, fresh_seed(), ranks=2, timeout_s=60)
+    res = pool.run(case_timeout, case_seed(), ranks=2, timeout_s=60)
     assert res[0] and "after" in res[0]

@@ -6,12 +6,11 @@ against the spec."""
 
 from __future__ import annotations
 
-import random
 import warnings
 
 import pytest
 import torch
-from _compare import assert_bitwise_equal
+from _compare import assert_bitwise_equal, case_seed
 from test_ep_dist import (
     SCENARIOS,
     _to,
@@ -44,9 +43,6 @@ def pool():
     yield p
     p.close()
 
-
-def fresh_seed() -> int:
-    return random.randrange(1 << 30)
 
 
 def case_backend_is_nccl(ctx):
@@ -289,30 +285,30 @@ def test_push_destination_on_another_gpu_raises():
 
 
 def test_symm_push_falls_back_on_every_rank_together(pool):
-    pool.run(case_symm_push_agreement, fresh_seed())
+    pool.run(case_symm_push_agreement, case_seed())
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16", "nvfp4"])
 def test_symm_matches_nccl(pool, payload):
-    pool.run(case_symm_matches_nccl, fresh_seed(), payload, "random")
+    pool.run(case_symm_matches_nccl, case_seed(), payload, "random")
 
 
 @pytest.mark.parametrize("scenario", ["empty_rank", "duplicates", "no_route", "k_gt_local"])
 def test_symm_matches_nccl_ragged(pool, scenario):
-    pool.run(case_symm_matches_nccl, fresh_seed(), "mxfp4", scenario)
+    pool.run(case_symm_matches_nccl, case_seed(), "mxfp4", scenario)
 
 
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("bf16", 16)])
 def test_symm_matches_nccl_aligned(pool, payload, alignment):
-    pool.run(case_symm_matches_nccl, fresh_seed(), payload, "duplicates", alignment)
+    pool.run(case_symm_matches_nccl, case_seed(), payload, "duplicates", alignment)
 
 
 def test_symm_deepseek_rows(pool):
-    pool.run(case_symm_large, fresh_seed())
+    pool.run(case_symm_large, case_seed())
 
 
 def test_symm_sync_budget(pool):
-    pool.run(case_symm_sync_budget, fresh_seed())
+    pool.run(case_symm_sync_budget, case_seed())
 
 
 def case_num_sms(ctx, seed, backend, scenario):
@@ -340,7 +336,7 @@ def case_num_sms(ctx, seed, backend, scenario):
 @pytest.mark.parametrize("backend", [None, "symm"])
 @pytest.mark.parametrize("scenario", ["random", "empty_rank"])
 def test_num_sms_same_bits_2gpu(pool, backend, scenario):
-    pool.run(case_num_sms, fresh_seed(), backend, scenario)
+    pool.run(case_num_sms, case_seed(), backend, scenario)
 
 
 @pytest.mark.parametrize("hidden", [7168, 128, 2048])
@@ -363,44 +359,44 @@ def test_backend_is_nccl(pool):
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_roundtrip_bf16_nccl(pool, scenario):
-    pool.run(case_roundtrip_bf16, fresh_seed(), scenario)
+    pool.run(case_roundtrip_bf16, case_seed(), scenario)
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "nvfp4", "bf16"])
 def test_received_rows_equal_spec_nccl(pool, payload):
-    pool.run(case_payload_rows, fresh_seed(), payload)
+    pool.run(case_payload_rows, case_seed(), payload)
 
 
 @pytest.mark.parametrize("payload", ["mxfp4", "fp8", "bf16"])
 def test_deepseek_rows_equal_spec_nccl(pool, payload):
-    pool.run(case_large_rows, fresh_seed(), payload, 7168, 128)
+    pool.run(case_large_rows, case_seed(), payload, 7168, 128)
 
 
 @pytest.mark.parametrize("backward_payload", ["bf16", "fp8"])
 def test_autograd_nccl(pool, backward_payload):
-    pool.run(case_autograd, fresh_seed(), backward_payload)
+    pool.run(case_autograd, case_seed(), backward_payload)
 
 
 def test_errors_nccl(pool):
-    pool.run(case_errors, fresh_seed())
+    pool.run(case_errors, case_seed())
 
 
 @pytest.mark.parametrize("payload,alignment", [("mxfp4", 32), ("mxfp4", 128), ("bf16", 8), ("fp8", 16)])
 def test_expert_alignment_nccl(pool, payload, alignment):
-    pool.run(case_expert_alignment, fresh_seed(), payload, alignment)
+    pool.run(case_expert_alignment, case_seed(), payload, alignment)
 
 
 def test_autograd_with_expert_alignment_nccl(pool):
-    pool.run(case_autograd_aligned, fresh_seed(), 32)
+    pool.run(case_autograd_aligned, case_seed(), 32)
 
 
 def test_sync_budget_with_expert_alignment_nccl(pool):
-    res = pool.run(case_sync_budget, fresh_seed(), "mxfp4", 32)
+    res = pool.run(case_sync_budget, case_seed(), "mxfp4", 32)
     assert all(r[0] == 1 for r in res), res
 
 
 def test_sync_budget_nccl(pool):
-    res = pool.run(case_sync_budget, fresh_seed())
+    res = pool.run(case_sync_budget, case_seed())
     assert all(r[0] == 1 for r in res), res
 
 
