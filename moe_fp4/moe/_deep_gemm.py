@@ -44,33 +44,19 @@ def disable() -> None:
 
 
 def usable(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the operands fit DeepGEMM's contiguous layout (TMA: K-major, contiguous, 16-byte rows)."""
-    return a.is_cuda and a.is_contiguous() and w.is_contiguous() and module() is not None
+    """Whether CUDA operands fit DeepGEMM's contiguous layout (TMA: K-major, contiguous, 16-byte rows)."""
+    return a.is_contiguous() and w.is_contiguous() and module() is not None
 
 
-def row_groups(split_offsets: torch.Tensor, split_lens: torch.Tensor, rows: int) -> torch.Tensor:
-    """int32 [rows]: each row's group, -1 for rows of no group (on the device, no host read). Each
-    group starts at or after the previous group's end, empty groups too (every dispatch's layout).
-    One Triton launch where Triton runs; torch's search elsewhere."""
-    if _triton_grouped_gemm.available(split_offsets):
-        return _triton_grouped_gemm.row_groups(split_offsets, split_lens, rows)
-    offs = split_offsets.to(torch.int64)
-    ends = offs + split_lens.to(torch.int64).clamp_min(0)
-    r = torch.arange(rows, device=offs.device)
-    g = torch.searchsorted(offs, r, right=True) - 1  # the last group starting at or before r
-    inside = (g >= 0) & (r < ends.gather(0, g.clamp_min(0)))
-    return torch.where(inside, g, -1).to(torch.int32)
-
-
-def grouped_rows(a, a_scales, w, w_scales, split_offsets, split_lens, zero_rows) -> torch.Tensor:
-    """As ``grouped_gemm_fp8`` for splits whose groups start on multiples of 128 rows; ``zero_rows``
-    zeroes the rows of no group of an output (the Triton launcher's)."""
+def grouped_rows(a, a_scales, w, w_scales, split_offsets, split_lens) -> torch.Tensor:
+    """As ``grouped_gemm_fp8`` for splits whose groups start on multiples of 128 rows: each row's group
+    (-1 for none) from one Triton launch, the GEMM, then the rows of no group zeroed."""
     m = a.shape[0]
     out = torch.empty(m, w.shape[1], dtype=torch.bfloat16, device=a.device)
     if m == 0:
         return out
     if w.shape[0]:
         module().m_grouped_fp8_gemm_nt_contiguous((a, a_scales), (w, w_scales), out,
-                                                  row_groups(split_offsets, split_lens, m))
-    zero_rows(out, split_offsets, split_lens)
+                                                  _triton_grouped_gemm.row_groups(split_offsets, split_lens, m))
+    _triton_grouped_gemm.zero_uncovered_rows(out, split_offsets, split_lens)
     return out

@@ -95,8 +95,7 @@ def grouped_gemm_fp8(a: torch.Tensor, a_scales: torch.Tensor, w: torch.Tensor, w
         tile_aligned = all(lo % BLOCK == 0 for lo, hi in bounds if hi > lo) and all(
             b[1] <= c[0] for b, c in zip(bounds, bounds[1:]))
     if tile_aligned and a.is_cuda and _deep_gemm.usable(a, w):
-        return _deep_gemm.grouped_rows(a, a_scales, w, w_scales, split_offsets, split_lens,
-                                       _triton_grouped_gemm.zero_uncovered_rows)
+        return _deep_gemm.grouped_rows(a, a_scales, w, w_scales, split_offsets, split_lens)
     if _triton_grouped_gemm.available(a):
         if a.stride(1) != 1 or w.stride(2) != 1:
             bad = "a" if a.stride(1) != 1 else "w"
