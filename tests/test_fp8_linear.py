@@ -57,6 +57,30 @@ def check_tiles(w, transpose):
         assert dt.shape == (0, w.shape[0])
 
 
+def check_tile_stack(w):
+    """ops.quantize_fp8_tiles of a stack [G, N, K]: each weight's tiles as the spec gives them and each
+    weight's own transpose, contiguous, in [G, K, N] (one pass over the stack)."""
+    g, n, k = w.shape
+    d, s, dt = ops.quantize_fp8_tiles(w)
+    assert d.shape == (g, n, k) and s.shape == (g, n // 128, k // 128) and dt.shape == (g, k, n)
+    assert dt.is_contiguous()
+    for e in range(g):
+        want_d, want_s = S.quantize_fp8_blockwise(w[e], block=(128, 128))
+        assert_bitwise_equal(d[e], want_d, f"tile data of weight {e}")
+        assert_bitwise_equal(s[e], want_s, f"tile scales of weight {e}")
+        want_t = S.quantize_fp8_blockwise(w[e].t().contiguous(), block=(128, 128))[0]
+        assert_bitwise_equal(dt[e], want_t, f"transposed data of weight {e}")
+    d_only, _, dt_none = ops.quantize_fp8_tiles(w, transpose=False)
+    assert_bitwise_equal(d_only, d, "tile data without the transpose")
+    assert dt_none.shape == (0, g * n)
+
+
+def test_tile_stack_transposes_each_weight():
+    w = spread(3 * 256, 384).view(3, 256, 384)
+    w[1, 130, 200] = float("inf")
+    check_tile_stack(w)
+
+
 @pytest.mark.parametrize("transpose", [True, False])
 def test_tiles_and_their_transpose(transpose):
     w = spread(256, 384)
@@ -75,6 +99,10 @@ def test_two_axis_quantizers_reject_bad_input():
         ops.quantize_fp8_tiles(torch.randn(100, 128))
     with pytest.raises(ValueError, match="transpose: expected a bool"):
         ops.quantize_fp8_tiles(torch.randn(128, 128), transpose=1)
+    with pytest.raises(ValueError, match=r"w: expected \[G, N, K\] .* got shape \(2, 100, 128\)"):
+        ops.quantize_fp8_tiles(torch.randn(2, 100, 128))
+    with pytest.raises(ValueError, match="w: dimension 1 .* multiple of 128"):
+        ops.quantize_fp8_tiles(torch.randn(2, 128, 100))
 
 
 def _reference(x, w, g, standin: bool):

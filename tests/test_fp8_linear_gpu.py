@@ -4,7 +4,7 @@
 import pytest
 import torch
 from _compare import assert_bitwise_equal
-from test_fp8_linear import check_tiles
+from test_fp8_linear import check_tile_stack, check_tiles
 
 from moe_fp4 import formats, ops
 from moe_fp4.recipes import FP8BlockwiseRecipe, QuantLinear, QuantLinearFunction, fp8_linear
@@ -68,12 +68,20 @@ def test_tiles_match_the_spec(n, k, dtype, transpose):
     check_tiles(_input(n, k, dtype), transpose)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("g, n, k", [(3, 256, 384), (4, 4096, 7168), (4, 7168, 2048)])
+def test_tile_stack_matches_the_spec(g, n, k, dtype):
+    """The experts' weights: each one's transpose stored contiguously by the same kernel pass."""
+    check_tile_stack(_input(g * n, k, dtype).view(g, n, k))
+
+
 def test_opcheck_two_axis_ops():
     from moe_fp4.ops import _ops
 
     x = torch.randn(200, 256, device="cuda", dtype=torch.bfloat16)  # finite: opcheck compares NaN != NaN
     torch.library.opcheck(_ops.quantize_fp8_rows_cols_op, (x,))
-    torch.library.opcheck(_ops.quantize_fp8_tiles_op, (x[:128].float(), True))
+    torch.library.opcheck(_ops.quantize_fp8_tiles_op, (x[:128].float(), True, 0))
+    torch.library.opcheck(_ops.quantize_fp8_tiles_op, (torch.randn(256, 256, device="cuda"), True, 128))
 
 
 def _run(layer_fn, x, w, g, autocast):

@@ -191,6 +191,9 @@ struct QuantizeFp8TwoAxisParams {
   uint8_t* out_t;            // float8_e4m3fn [K, ld_t], or nullptr (no transposed copy)
   float* out_t_scales;       // rows mode float32 [K, ld_t/128] (tiles mode: unused)
   long long ld_t;            // M rounded up to a multiple of 128
+  long long t_group_rows;    // tiles mode: 0, or the rows of each of the stacked matrices of x (a multiple
+                             // of 128 dividing M): out_t then holds each one's transpose after the other,
+                             // [M / t_group_rows][K][t_group_rows] (a stack of weights: each w_g^T contiguous)
 };
 cudaError_t launch_quantize_fp8_2d(const QuantizeFp8TwoAxisParams& p, cudaStream_t stream);
 

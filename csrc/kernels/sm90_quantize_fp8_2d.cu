@@ -170,10 +170,19 @@ __global__ void __launch_bounds__(kTileThreads, sizeof(E) == 2 ? 4 : 2) sm90_qua
         make_uint4(encode4(f, sbyte), encode4(f + 4, sbyte), encode4(f + 8, sbyte), encode4(f + 12, sbyte));
   }
   __syncthreads();
+  // (with stacked matrices, this tile's rows belong to matrix m0 / t_group_rows: its own transpose)
+  uint8_t* out_t = p.out_t;
+  long long t_col = m0, ld_t = p.ld_t;
+  if (p.t_group_rows > 0) {
+    const long long g = m0 / p.t_group_rows;
+    out_t += g * p.cols * p.t_group_rows;
+    t_col = m0 - g * p.t_group_rows;
+    ld_t = p.t_group_rows;
+  }
   const int chunk = threadIdx.x & 7;
 #pragma unroll
   for (int r = threadIdx.x >> 3; r < kTile; r += kTileThreads / 8) {
-    *reinterpret_cast<uint4*>(p.out_t + (k0 + r) * p.ld_t + m0 + chunk * 16) =
+    *reinterpret_cast<uint4*>(out_t + (k0 + r) * ld_t + t_col + chunk * 16) =
         *reinterpret_cast<const uint4*>(staged + r * kStagePitch + chunk * 16);
   }
 }

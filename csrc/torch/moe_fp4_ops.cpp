@@ -537,14 +537,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_fp8_rows_cols(const Tensor& 
 }
 
 // w [N, K] float32/bfloat16, N and K multiples of 128 -> (e4m3 [N, K], float32 [N/128, K/128], e4m3 [K, N]):
-// the 128x128 quantization of w and its transpose ([0, N] when transpose is false).
-std::tuple<Tensor, Tensor, Tensor> quantize_fp8_tiles(const Tensor& w, bool transpose) {
+// the 128x128 quantization of w and its transpose ([0, N] when transpose is false). group_rows > 0: w
+// stacks N / group_rows matrices of group_rows rows, and the transpose is each one's, [N / group_rows * K,
+// group_rows] (matrix g's transpose in rows [g K, (g + 1) K)).
+std::tuple<Tensor, Tensor, Tensor> quantize_fp8_tiles(const Tensor& w, bool transpose, int64_t group_rows) {
   moe_fp4::QuantizeFp8TwoAxisParams p = two_axis_params(w, "w", true);
   const c10::cuda::CUDAGuard guard(w.device());
   const int64_t n = w.size(0), k = w.size(1);
+  // (protects memory: a group that does not divide the rows would store past the transpose)
+  TORCH_CHECK(group_rows == 0 || (group_rows > 0 && group_rows % 128 == 0 && n % group_rows == 0),
+              "group_rows: expected 0 or a multiple of 128 dividing w's rows (", n, "), got ", group_rows);
+  p.t_group_rows = group_rows;
+  const int64_t t_rows = !transpose ? 0 : group_rows > 0 ? n / group_rows * k : k;
   Tensor out = at::empty({n, k}, w.options().dtype(at::kFloat8_e4m3fn));
   Tensor out_scales = at::empty({n / 128, k / 128}, w.options().dtype(at::kFloat));
-  Tensor out_t = at::empty({transpose ? k : 0, n}, w.options().dtype(at::kFloat8_e4m3fn));
+  Tensor out_t = at::empty({t_rows, group_rows > 0 ? group_rows : n}, w.options().dtype(at::kFloat8_e4m3fn));
   p.out = reinterpret_cast<uint8_t*>(out.data_ptr());
   p.out_scales = out_scales.data_ptr<float>();
   p.out_t = transpose ? reinterpret_cast<uint8_t*>(out_t.data_ptr()) : nullptr;
@@ -837,7 +844,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_fp8_rows_cols", &quantize_fp8_rows_cols, "float [M,K] -> FP8 1x128 of x and of x^T (padded)",
         py::arg("x"));
   m.def("quantize_fp8_tiles", &quantize_fp8_tiles, "float [N,K] -> FP8 128x128 (+ its transpose)", py::arg("w"),
-        py::arg("transpose"));
+        py::arg("transpose"), py::arg("group_rows"));
   m.def("dequantize_mxfp4", &dequantize_mxfp4, "MXFP4 -> bfloat16 [N,H]", py::arg("packed"),
         py::arg("scales"));
   m.def("mxfp4_rows_expand_fp8_blockwise", &mxfp4_rows_expand_fp8_blockwise,

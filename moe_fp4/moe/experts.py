@@ -38,17 +38,11 @@ ALIGN = formats.FP8_GROUP
 
 
 def _fp8_tiles(w: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """FP8 128x128 tiles of the stacked weights w [G, N, K] and of each w_g^T: (data [G, N, K],
-    scales [G, N/128, K/128], data_t [G, K, N], scales_t [G, K/128, N/128]). The transposed copies
-    are made contiguous per expert (one more pass over the FP8 weights, once per weight version): the
-    dgrad GEMM then reads each tile row from one place instead of strided pieces of the stacked
-    transpose (measured faster: benchmarks/RESULTS.md, FP8 grouped GEMM)."""
-    g, n, k = w.shape
-    data, scales, data_t = ops.quantize_fp8_tiles(w.detach().reshape(g * n, k))
-    scales = scales.view(g, n // ALIGN, k // ALIGN)
-    # (moved as 8-byte words: N is a multiple of 128)
-    data_t = data_t.view(torch.int64).view(k, g, n // 8).permute(1, 0, 2).contiguous().view(data.dtype)
-    return data.view(g, n, k), scales, data_t, scales.transpose(1, 2).contiguous()
+    """FP8 128x128 tiles of the stacked weights w [G, N, K] and of each w_g^T, in one pass: (data
+    [G, N, K], scales [G, N/128, K/128], data_t [G, K, N], scales_t [G, K/128, N/128]). Each expert's
+    transpose is contiguous: the dgrad GEMM (DeepGEMM's included) reads each tile row from one place."""
+    data, scales, data_t = ops.quantize_fp8_tiles(w.detach())
+    return data, scales, data_t, scales.transpose(1, 2).contiguous()
 
 
 def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ FP8 rows).
   quantize_fp8_blockwise       float [T, H] -> E4M3 [T, H] + FP32 power-of-two scales [T, H/128]
   quantize_fp8_rows_cols       float [M, K] -> FP8 1x128 of x and of x^T in one pass (the GEMM operands of
                                an activation or gradient: fprop/dgrad rows, wgrad columns)
-  quantize_fp8_tiles           float [N, K] -> FP8 128x128 of a weight and its transpose in one pass
+  quantize_fp8_tiles           float [(G,) N, K] -> FP8 128x128 of a weight (stack) and its transpose(s), one pass
   dequantize_mxfp4             MXFP4 [..., H/2] + UE8M0 [..., H/32] -> bfloat16 (or float32/float16) [..., H]
   native_available, build      the extension: whether it is usable here; build/load it
   routing (module)             the dispatch's routing tables by counting kernels: send_layout, expand_layout
@@ -492,15 +492,27 @@ def quantize_fp8_tiles(w: torch.Tensor, *, transpose: bool = True) -> tuple[torc
     """FP8 128x128 of a weight and, in the same pass, its transpose (the dgrad operand: the tile
     quantization of w^T is the transpose of w's, with the transposed scales).
 
-    w: bfloat16/float32 [N, K], N and K multiples of 128.
+    w: bfloat16/float32 [N, K], or a stack of G weights [G, N, K] (the experts of a layer); N and K
+      multiples of 128.
     Returns (data float8_e4m3fn [N, K], scales float32 [N/128, K/128], data_t float8_e4m3fn [K, N]
     (contiguous; [0, N] when ``transpose`` is False)): data and scales are the bits of
-    formats.quantize_fp8_blockwise(w, block=(128, 128)), data_t is data transposed.
+    formats.quantize_fp8_blockwise(w, block=(128, 128)), data_t is data transposed. For a stack:
+    data [G, N, K], scales [G, N/128, K/128] and data_t [G, K, N], each weight's transpose contiguous
+    (what a grouped GEMM's dgrad reads), written by the same pass.
     """
-    w = _two_axis(w, "w", True)
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose: expected a bool, got {transpose!r}")
-    return _ops.call(_ops.quantize_fp8_tiles_op, w, transpose)
+    if isinstance(w, torch.Tensor) and w.dim() == 3:
+        g, n, k = w.shape
+        if n % formats.FP8_GROUP or g == 0:
+            raise ValueError(f"w: expected [G, N, K] with G > 0 and N, K multiples of {formats.FP8_GROUP}, "
+                             f"got shape {tuple(w.shape)}")
+        data, scales, data_t = _ops.call(_ops.quantize_fp8_tiles_op, _two_axis(w.reshape(g * n, k), "w", True),
+                                         transpose, n)
+        return (data.view(g, n, k), scales.view(g, n // formats.FP8_GROUP, k // formats.FP8_GROUP),
+                data_t.view(g, k, n) if transpose else data_t)
+    w = _two_axis(w, "w", True)
+    return _ops.call(_ops.quantize_fp8_tiles_op, w, transpose, 0)
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -451,23 +451,29 @@ def _(x):
 
 
 @_custom_op("quantize_fp8_tiles")
-def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool,
+                          group_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _native_for(w):
-        return _native.module().quantize_fp8_tiles(w, transpose)
+        return _native.module().quantize_fp8_tiles(w, transpose, group_rows)
     data, scales = formats.quantize_fp8_blockwise(w, block=(formats.FP8_GROUP, formats.FP8_GROUP))
-    if transpose:
-        data_t = data.view(torch.uint8).t().contiguous().view(FP8)
-    else:
+    if not transpose:
         data_t = data.new_empty((0, w.shape[0]))
+    elif group_rows:
+        n, k = data.shape
+        data_t = data.view(torch.uint8).view(n // group_rows, group_rows, k).transpose(1, 2).contiguous()
+        data_t = data_t.view(FP8).view(n // group_rows * k, group_rows)
+    else:
+        data_t = data.view(torch.uint8).t().contiguous().view(FP8)
     return data, scales, data_t
 
 
 @quantize_fp8_tiles_op.register_fake
-def _(w, transpose):
+def _(w, transpose, group_rows):
     n, k = w.shape
     g = formats.FP8_GROUP
+    t_shape = (0, n) if not transpose else (n // group_rows * k, group_rows) if group_rows else (k, n)
     return (w.new_empty((n, k), dtype=FP8), w.new_empty((n // g, k // g), dtype=torch.float32),
-            w.new_empty((k if transpose else 0, n), dtype=FP8))
+            w.new_empty(t_shape, dtype=FP8))
 
 
 @_custom_op("dequantize_mxfp4")

@@ -97,6 +97,11 @@ def run(device: str = "cuda") -> bool:
             wd, ws = formats.quantize_fp8_blockwise(xd[:128], block=(128, 128))
             for got, w, what in zip(ops.quantize_fp8_tiles(xd[:128]), (wd, ws, wd.t()), ("data", "scales", "data_t")):
                 ok &= _same(f"quantize_fp8_tiles h={h} {dtype} {what}", got, w)
+            stack = torch.stack((xd[:128], xd[-128:]))  # two weights: each one's transpose stored on its own
+            got_t = ops.quantize_fp8_tiles(stack)[2]
+            for e in range(2):
+                want_t = formats.quantize_fp8_blockwise(stack[e].t().contiguous(), block=(128, 128))[0]
+                ok &= _same(f"quantize_fp8_tiles stack h={h} {dtype} data_t[{e}]", got_t[e], want_t)
         # the dispatch's receive side: each row written to its slots' rows (-1 and out-of-range skipped)
         r = n + 4 + n  # rows perm (n of the first n + 4), then n + 4 + t for the second slot of row t
         second = torch.arange(n, device=device) + n + 4
