@@ -508,7 +508,7 @@ def quantize_fp8_tiles(w: torch.Tensor, *, transpose: bool = True) -> tuple[torc
             raise ValueError(f"w: expected [G, N, K] with G > 0 and N, K multiples of {formats.FP8_GROUP}, "
                              f"got shape {tuple(w.shape)}")
         data, scales, data_t = _ops.call(_ops.quantize_fp8_tiles_op, _two_axis(w.reshape(g * n, k), "w", True),
-                                         transpose, n)
+                                         transpose, n if transpose else 0)
         return (data.view(g, n, k), scales.view(g, n // formats.FP8_GROUP, k // formats.FP8_GROUP),
                 data_t.view(g, k, n) if transpose else data_t)
     w = _two_axis(w, "w", True)

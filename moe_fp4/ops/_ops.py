@@ -457,7 +457,7 @@ def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool,
         return _native.module().quantize_fp8_tiles(w, transpose, group_rows)
     data, scales = formats.quantize_fp8_blockwise(w, block=(formats.FP8_GROUP, formats.FP8_GROUP))
     if not transpose:
-        data_t = data.new_empty((0, w.shape[0]))
+        data_t = data.new_empty((0, group_rows or w.shape[0]))
     elif group_rows:
         n, k = data.shape
         data_t = data.view(torch.uint8).view(n // group_rows, group_rows, k).transpose(1, 2).contiguous()
@@ -471,7 +471,7 @@ def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool,
 def _(w, transpose, group_rows):
     n, k = w.shape
     g = formats.FP8_GROUP
-    t_shape = (0, n) if not transpose else (n // group_rows * k, group_rows) if group_rows else (k, n)
+    t_shape = (0, group_rows or n) if not transpose else (n // group_rows * k, group_rows) if group_rows else (k, n)
     return (w.new_empty((n, k), dtype=FP8), w.new_empty((n // g, k // g), dtype=torch.float32),
             w.new_empty(t_shape, dtype=FP8))
 
