@@ -31,7 +31,7 @@ ROWS_STAGES = 4
 GROUP_M = 8
 # wgrad: 128 x 64 output tiles on one warp group (a 128 x 128 tile on two measured slower: the short
 # contraction per expert leaves the larger tile's store and prologue less amortised; results/gemm.md)
-WGRAD_BM, WGRAD_BN, WGRAD_WARPS, WGRAD_STAGES = 128, 64, 4, 4
+WGRAD_BM, WGRAD_BN, WGRAD_WARPS, WGRAD_STAGES = 128, 64, 4, 3
 
 
 def available(t: torch.Tensor) -> bool:
@@ -91,8 +91,9 @@ if triton is not None:
     @triton.jit
     def _grouped_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr, a_base_ptr,
                               b_base_ptr, n, kdim, n_blocks, k_blocks, tokens_a, tokens_b,
-                              stride_a, stride_asr, stride_asc, stride_b, stride_bsr, stride_bsc,
-                              ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                              stride_a, stride_asc, stride_b, stride_bsc,
+                              ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              STAGES: tl.constexpr):
         pid = tl.program_id(0)
         tiles = n_blocks * k_blocks
         g = pid // tiles
@@ -108,33 +109,32 @@ if triton is not None:
         rows_a = (pid_n * BM + tl.arange(0, BM)).to(tl.int64)
         rows_b = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
         tokens = tl.arange(0, BK)
-        a_ptrs = a_ptr + rows_a[:, None] * stride_a + first + tokens[None, :]
-        b_ptrs = b_ptr + rows_b[:, None] * stride_b + first + tokens[None, :]
-        a_sc = a_scale_ptr + rows_a * stride_asr + base_a * stride_asc
-        b_sc = b_scale_ptr + rows_b * stride_bsr + base_b * stride_bsc
+        a_rows = a_ptr + rows_a[:, None] * stride_a + first + tokens[None, :]
+        b_rows = b_ptr + rows_b[:, None] * stride_b + first + tokens[None, :]
+        # (the scales are block-major, unit stride along the columns: one contiguous read per block)
+        a_sc = a_scale_ptr + rows_a + base_a * stride_asc
+        b_sc = b_scale_ptr + rows_b + base_b * stride_bsc
         acc = tl.zeros((BM, BN), dtype=tl.float32)
         full = (count // BK).to(tl.int32)
-        for _ in range(0, full):
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            sa = tl.load(a_sc)
-            sb = tl.load(b_sc)
+        # (the loop's own pipeline depth: left to the kernel's, the partial block below took part in
+        # the schedule and the loop ran slower; the same products and sums in the same order)
+        for i in tl.range(0, full, num_stages=STAGES):
+            a = tl.load(a_rows + i * BK)
+            b = tl.load(b_rows + i * BK)
+            sa = tl.load(a_sc + i * stride_asc)
+            sb = tl.load(b_sc + i * stride_bsc)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
-            a_ptrs += BK
-            b_ptrs += BK
-            a_sc += stride_asc
-            b_sc += stride_bsc
         if full * BK < count:  # the group's last, partial block
             # loads by 16 tokens (inside the operands' columns), then the tokens past the group zeroed
             r = full * BK + tokens
             r16 = tl.multiple_of((count + 15) // 16 * 16, 16)
             col = first + r
-            a = tl.load(a_ptrs, mask=(r < r16)[None, :] & (col < tokens_a)[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=(r < r16)[None, :] & (col < tokens_b)[None, :], other=0.0)
+            a = tl.load(a_rows + full * BK, mask=(r < r16)[None, :] & (col < tokens_a)[None, :], other=0.0)
+            b = tl.load(b_rows + full * BK, mask=(r < r16)[None, :] & (col < tokens_b)[None, :], other=0.0)
             a = tl.where((r < count)[None, :], a, 0.0)
             b = tl.where((r < count)[None, :], b, 0.0)
-            sa = tl.load(a_sc)
-            sb = tl.load(b_sc)
+            sa = tl.load(a_sc + full * stride_asc)
+            sb = tl.load(b_sc + full * stride_bsc)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
         out = out_ptr + g.to(tl.int64) * n * kdim + rows_a[:, None] * kdim + rows_b[None, :]
         if ACCUMULATE:
@@ -236,7 +236,6 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
     grid = (g * n_blocks * k_blocks,)
     _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, a_base, b_base,
                                 n, kdim, n_blocks, k_blocks, a.shape[1], b.shape[1],
-                                a.stride(0), a_scales.stride(0), a_scales.stride(1),
-                                b.stride(0), b_scales.stride(0), b_scales.stride(1),
-                                ACCUMULATE=accumulate, BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K,
+                                a.stride(0), a_scales.stride(1), b.stride(0), b_scales.stride(1),
+                                ACCUMULATE=accumulate, BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K, STAGES=WGRAD_STAGES,
                                 num_warps=WGRAD_WARPS, num_stages=WGRAD_STAGES)
