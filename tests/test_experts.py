@@ -109,7 +109,7 @@ def test_given_fp8_and_mxfp4_forms_equal_quantizing_inside():
         assert torch.equal(a, b)
 
 
-def test_fp8_weights_remade_once_per_weight_change():
+def test_fp8_weights_remade_once_per_weight_change(monkeypatch):
     module = _module("fp8", dtype=torch.bfloat16)
     first = module.fp8_weights()
     assert module.fp8_weights() is first
@@ -119,7 +119,13 @@ def test_fp8_weights_remade_once_per_weight_change():
     module(x, offs, lens).float().square().mean().backward()
     assert module.w1.grad.dtype == torch.bfloat16
     opt.step()
+    import moe_fp4.moe.experts as experts_module
+
+    held = []  # what the module still holds while the new tiles are made: nothing (one version at a time)
+    make = experts_module._fp8_tiles
+    monkeypatch.setattr(experts_module, "_fp8_tiles", lambda w: (held.append(module._fp8), make(w))[1])
     second = module.fp8_weights()
+    assert held == [None, None]
     assert second is not first and not torch.equal(second[0].view(torch.uint8), first[0].view(torch.uint8))
     data, scales = formats.quantize_fp8_blockwise(module.w1.detach().reshape(G * 2 * I, H), block=(128, 128))
     assert torch.equal(second[0].reshape(-1, H).view(torch.uint8), data.view(torch.uint8))
