@@ -101,8 +101,24 @@ def test_two_axis_quantizers_reject_bad_input():
         ops.quantize_fp8_tiles(torch.randn(128, 128), transpose=1)
     with pytest.raises(ValueError, match=r"w: expected \[G, N, K\] .* got shape \(2, 100, 128\)"):
         ops.quantize_fp8_tiles(torch.randn(2, 100, 128))
-    with pytest.raises(ValueError, match="w: dimension 1 .* multiple of 128"):
+    with pytest.raises(ValueError, match=r"w: expected \[G, N, K\] .* got shape \(2, 128, 100\)"):
         ops.quantize_fp8_tiles(torch.randn(2, 128, 100))
+    with pytest.raises(ValueError, match=r"w: expected \[N, K\] or \[G, N, K\], got shape \(1, 1, 128, 128\)"):
+        ops.quantize_fp8_tiles(torch.randn(1, 1, 128, 128))
+    from moe_fp4.ops import _ops
+
+    for bad in (-128, 100, 384):  # not a multiple of 128; not dividing the 256 rows
+        with pytest.raises(ValueError, match="group_rows: expected 0 or a multiple of 128 dividing w's rows"):
+            _ops.quantize_fp8_tiles_op(torch.randn(256, 128), True, bad)
+
+
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("group_rows", [0, 128, 256])
+def test_opcheck_tiles_op(transpose, group_rows):
+    """The op's real (CPU) and fake implementations agree for every transpose / group_rows."""
+    from moe_fp4.ops import _ops
+
+    torch.library.opcheck(_ops.quantize_fp8_tiles_op, (spread(256, 384), transpose, group_rows))
 
 
 def _reference(x, w, g, standin: bool):

@@ -143,6 +143,31 @@ def test_triton_wgrad_matches_reference(n, k):
     _check_wgrad(out, ref, _abs(dy_t), dy_ts, _abs(c_t), c_ts, offs, ls, goff[:-1])
 
 
+def test_triton_wgrad_scale_layouts():
+    """The wgrad kernel reads the scales block-major: scales given block-major already (no copy),
+    as a column slice of a block-major buffer, and a single scale column (at most 128 tokens) give
+    the bits of the row-major scales."""
+    from moe_fp4 import ops
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+
+    gen = torch.Generator().manual_seed(SEED + 7)
+    for lens in ([300, 0, 129, 257], [100, 0]):
+        offsets, m = _aligned(lens)
+        dy = torch.randn(m, 256, generator=gen).cuda().bfloat16()
+        x = torch.randn(m, 384, generator=gen).cuda().bfloat16()
+        _, _, dy_t, dy_ts = ops.quantize_fp8_rows_cols(dy)
+        _, _, x_t, x_ts = ops.quantize_fp8_rows_cols(x)
+        offs, ls = torch.tensor(offsets).cuda(), torch.tensor(lens).cuda()
+        want = grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, offs, ls)
+        block_major = grouped_gemm_fp8_wgrad(dy_t, dy_ts.t().contiguous().t(), x_t, x_ts.t().contiguous().t(), offs, ls)
+        assert torch.equal(block_major, want)
+        wide = torch.zeros(dy_ts.shape[1] + 3, dy_ts.shape[0], device="cuda")  # block-major, 3 blocks more
+        wide[2:2 + dy_ts.shape[1]] = dy_ts.t()
+        sliced = wide[2:2 + dy_ts.shape[1]].t()  # [N, blocks], unit stride along N, offset into the buffer
+        assert sliced.stride(0) == 1
+        assert torch.equal(grouped_gemm_fp8_wgrad(dy_t, sliced, x_t, x_ts, offs, ls), want)
+
+
 def _abs(fp8):
     """|x| of an FP8 E4M3 tensor (the sign bit cleared), same strides."""
     return (fp8.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)

@@ -179,7 +179,9 @@ class Experts(torch.nn.Module):
         changed (its version counter: an optimizer step, a load)."""
         key = (self.w1._version, self.w1.data_ptr(), self.w2._version, self.w2.data_ptr(), self.w1.device)
         if self._fp8_key != key:
-            self._fp8 = None  # (the stale tiles go first: never two versions held at once)
+            # (the stale tiles go first, so the module never holds two versions; an autograd graph
+            # not yet run backward keeps its own; the key too, should the making fail)
+            self._fp8 = self._fp8_key = None
             self._fp8 = (*_fp8_tiles(self.w1), *_fp8_tiles(self.w2))
             self._fp8_key = key
         return self._fp8

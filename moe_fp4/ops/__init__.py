@@ -502,9 +502,11 @@ def quantize_fp8_tiles(w: torch.Tensor, *, transpose: bool = True) -> tuple[torc
     """
     if not isinstance(transpose, bool):
         raise ValueError(f"transpose: expected a bool, got {transpose!r}")
+    if isinstance(w, torch.Tensor) and w.dim() not in (2, 3):
+        raise ValueError(f"w: expected [N, K] or [G, N, K], got shape {tuple(w.shape)}")
     if isinstance(w, torch.Tensor) and w.dim() == 3:
         g, n, k = w.shape
-        if n % formats.FP8_GROUP or g == 0:
+        if n % formats.FP8_GROUP or k % formats.FP8_GROUP or g == 0:
             raise ValueError(f"w: expected [G, N, K] with G > 0 and N, K multiples of {formats.FP8_GROUP}, "
                              f"got shape {tuple(w.shape)}")
         data, scales, data_t = _ops.call(_ops.quantize_fp8_tiles_op, _two_axis(w.reshape(g * n, k), "w", True),

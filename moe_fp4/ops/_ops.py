@@ -450,9 +450,16 @@ def _(x):
             x.new_empty((k, mp), dtype=FP8), x.new_empty((k, mp // g), dtype=torch.float32))
 
 
+def _check_group_rows(group_rows: int, rows: int) -> None:
+    g = formats.FP8_GROUP
+    if group_rows and (group_rows < 0 or group_rows % g or rows % group_rows):
+        raise ValueError(f"group_rows: expected 0 or a multiple of {g} dividing w's rows ({rows}), got {group_rows}")
+
+
 @_custom_op("quantize_fp8_tiles")
 def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool,
                           group_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_group_rows(group_rows, w.shape[0])
     if _native_for(w):
         return _native.module().quantize_fp8_tiles(w, transpose, group_rows)
     data, scales = formats.quantize_fp8_blockwise(w, block=(formats.FP8_GROUP, formats.FP8_GROUP))
@@ -471,6 +478,7 @@ def quantize_fp8_tiles_op(w: torch.Tensor, transpose: bool,
 def _(w, transpose, group_rows):
     n, k = w.shape
     g = formats.FP8_GROUP
+    _check_group_rows(group_rows, n)
     t_shape = (0, group_rows or n) if not transpose else (n // group_rows * k, group_rows) if group_rows else (k, n)
     return (w.new_empty((n, k), dtype=FP8), w.new_empty((n // g, k // g), dtype=torch.float32),
             w.new_empty(t_shape, dtype=FP8))
