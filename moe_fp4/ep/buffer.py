@@ -47,9 +47,9 @@ from moe_fp4.ep.backends import AllToAllBackend, LocalBackend, TorchDistributedB
 from moe_fp4.ep.layout import DispatchLayout, check_experts, check_topk_idx, dispatch_layout, start_offsets
 from moe_fp4.ep.payloads import PAYLOAD_IDS, PayloadCodec, gather_rows, get_payload
 from moe_fp4.ep.symmetric import SymmetricMemoryBackend
+from moe_fp4.formats._checks import FLOAT_INPUTS, describe
 from moe_fp4.ops import mxfp4_rows_to_fp8_cols_planned, routing
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TOPK = 128  # slot-count columns in the layout exchange
 ROW_ALIGN = 128  # bytes: DispatchOutput.rows starts each row on a cache line
 _SIGNATURE = ("hidden", "num_topk", "num_experts", "world_size", "payload")
@@ -364,12 +364,6 @@ def make_backend(group=None, backend=None) -> AllToAllBackend:
     return b
 
 
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} {tuple(t.shape)} on {t.device}"
-    return type(t).__name__
-
-
 def agree_on_checks(backend: AllToAllBackend, what: str, error: ValueError | None,
                     signature: dict[str, int]) -> None:
     """Ranks agree on their local checks before a collective that follows them, so that a check
@@ -457,8 +451,9 @@ class Buffer:
                              f"device), got {t.device}")
 
     def _check_x(self, x, codec: PayloadCodec, name: str = "x") -> None:
-        if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() != 2:
-            raise ValueError(f"{name}: expected a float32/bfloat16/float16 tensor [T, H], got {_describe(x)}")
+        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_INPUTS or x.dim() != 2:
+            raise ValueError(f"{name}: expected a float32/bfloat16/float16 tensor [T, H], "
+                             f"got {describe(x, device=True)}")
         self._check_device(x, name)
         codec.check_hidden(x.shape[1], name)
 
@@ -479,8 +474,9 @@ class Buffer:
         if topk_idx.shape[0] != x.shape[0]:
             raise ValueError(f"topk_idx: expected {x.shape[0]} rows (one per token of x), got {topk_idx.shape[0]}")
         if topk_weights is not None:
-            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype not in _FLOAT_DTYPES:
-                raise ValueError(f"topk_weights: expected a float tensor [T, k], got {_describe(topk_weights)}")
+            if not isinstance(topk_weights, torch.Tensor) or topk_weights.dtype not in FLOAT_INPUTS:
+                raise ValueError(f"topk_weights: expected a float tensor [T, k], "
+                                 f"got {describe(topk_weights, device=True)}")
             if topk_weights.shape != topk_idx.shape:
                 raise ValueError(f"topk_weights: expected shape {tuple(topk_idx.shape)} like topk_idx, "
                                  f"got {tuple(topk_weights.shape)}")
@@ -567,7 +563,8 @@ class Buffer:
                 and topk_idx.dim() == 2 and 1 <= topk_idx.shape[1] <= MAX_TOPK
             if error is None and not readable:  # this rank cannot size the transfers
                 error = self._input_error(x, topk_idx, topk_weights, codec) or ValueError(
-                    f"x, topk_idx: expected tensors [T, H] and [T, k], got {_describe(x)} and {_describe(topk_idx)}")
+                    f"x, topk_idx: expected tensors [T, H] and [T, k], got {describe(x, device=True)} and "
+                    f"{describe(topk_idx, device=True)}")
             self._agree("dispatch", error, {} if error is not None else dict(
                 max_recv_tokens=max_recv_tokens, num_topk=topk_idx.shape[1], hidden=x.shape[1],
                 payload=PAYLOAD_IDS.get(codec.name, -1)))

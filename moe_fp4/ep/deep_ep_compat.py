@@ -87,8 +87,8 @@ from moe_fp4.ep.buffer import DispatchHandle as _MoEHandle
 from moe_fp4.ep.buffer import agree_on_checks, make_backend
 from moe_fp4.ep.layout import check_experts, check_topk_idx, dispatch_layout
 from moe_fp4.ep.payloads import PAYLOAD_IDS, get_payload
+from moe_fp4.formats._checks import FLOAT_INPUTS, describe
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PAYLOADS = ("bf16", "fp8", "mxfp4", "nvfp4")
 _RECV_FORMATS = (None, "bf16", "fp8")
 _WIRE_ALIGN = 64  # bytes: the bf16 payload's rows are a multiple of 32 bf16 values
@@ -151,12 +151,6 @@ class Handle:
     def __repr__(self) -> str:
         return (f"Handle(rank={self.inner.rank}, world_size={self.inner.world_size}, num_tokens="
                 f"{self.inner.num_tokens}, num_recv_tokens={self.num_recv_tokens}, num_rows={self.num_rows})")
-
-
-def _describe(t) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"{t.dtype} {tuple(t.shape)}"
-    return type(t).__name__
 
 
 def _is_int(v) -> bool:
@@ -381,15 +375,15 @@ class Buffer:
         w = self.group_size
         if not isinstance(num_tokens_per_rank, torch.Tensor) or num_tokens_per_rank.dtype != torch.int32 \
                 or tuple(num_tokens_per_rank.shape) != (w,):
-            raise ValueError(f"num_tokens_per_rank: expected int32 [{w}], got {_describe(num_tokens_per_rank)}")
+            raise ValueError(f"num_tokens_per_rank: expected int32 [{w}], got {describe(num_tokens_per_rank)}")
         if not isinstance(is_token_in_rank, torch.Tensor) or is_token_in_rank.dtype != torch.bool \
                 or tuple(is_token_in_rank.shape) != (num_tokens, w):
-            raise ValueError(f"is_token_in_rank: expected bool [{num_tokens}, {w}], got {_describe(is_token_in_rank)}")
+            raise ValueError(f"is_token_in_rank: expected bool [{num_tokens}, {w}], got {describe(is_token_in_rank)}")
         if not isinstance(num_tokens_per_expert, torch.Tensor) or num_tokens_per_expert.dtype != torch.int32 \
                 or num_tokens_per_expert.dim() != 1 or num_tokens_per_expert.shape[0] == 0 \
                 or num_tokens_per_expert.shape[0] % w:
             raise ValueError(f"num_tokens_per_expert: expected int32 [E] with E a positive multiple of {w}, got "
-                             f"{_describe(num_tokens_per_expert)}")
+                             f"{describe(num_tokens_per_expert)}")
         return int(num_tokens_per_expert.shape[0])
 
     def _wire(self, x, payload: str, recv_format):
@@ -405,7 +399,7 @@ class Buffer:
             if h % formats.FP8_GROUP or scales.dtype != torch.float32 or tuple(scales.shape) != (
                     data.shape[0], h // formats.FP8_GROUP):
                 raise ValueError(f"x: with payload {payload!r} the scales must be float32 [T, H/128] = "
-                                 f"[{data.shape[0]}, {h // formats.FP8_GROUP}], got {_describe(scales)} "
+                                 f"[{data.shape[0]}, {h // formats.FP8_GROUP}], got {describe(scales)} "
                                  f"for H = {h}")
             values = formats.dequantize_fp8_blockwise(data, scales, block=(1, formats.FP8_GROUP))
         else:
@@ -455,8 +449,8 @@ class Buffer:
             inner = handle.inner
             if payload not in _PAYLOADS:
                 raise ValueError(f"payload: expected one of {list(_PAYLOADS)}, got {payload!r}")
-            if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() != 2:
-                raise ValueError(f"x: expected a float tensor [{handle.num_rows}, H], got {_describe(x)}")
+            if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_INPUTS or x.dim() != 2:
+                raise ValueError(f"x: expected a float tensor [{handle.num_rows}, H], got {describe(x)}")
             if x.shape[0] != handle.num_rows or not x.is_contiguous():
                 raise ValueError(f"x: expected a contiguous tensor of {handle.num_rows} rows (one per received "
                                  f"token), got {tuple(x.shape)}{'' if x.is_contiguous() else ' non-contiguous'}")
@@ -471,7 +465,7 @@ class Buffer:
                                              or topk_weights.shape[0] != handle.num_rows
                                              or topk_weights.device != self.device):
                 raise ValueError(f"topk_weights: expected float32 [{handle.num_rows}, k] on {self.device}, got "
-                                 f"{_describe(topk_weights)}")
+                                 f"{describe(topk_weights)}")
             biases = _check_bias(bias, (inner.num_tokens, hidden), x.dtype, self.device)
             k = 0 if topk_weights is None else topk_weights.shape[1]
             error, signature = None, [hidden, PAYLOAD_IDS[payload], k, x.element_size()]
@@ -532,15 +526,15 @@ def _check_x(x) -> int:
         data, scales = x
         if not isinstance(data, torch.Tensor) or data.dtype != torch.float8_e4m3fn or data.dim() != 2 \
                 or not data.is_contiguous():
-            raise ValueError(f"x: expected a contiguous float8_e4m3fn tensor [T, H] first, got {_describe(data)}")
+            raise ValueError(f"x: expected a contiguous float8_e4m3fn tensor [T, H] first, got {describe(data)}")
         if not isinstance(scales, torch.Tensor) or scales.dtype not in (torch.float32, torch.int32) \
                 or scales.dim() != 2 or scales.shape[0] != data.shape[0] or scales.device != data.device:
             raise ValueError(f"x: expected float32 (or int32) scales [{data.shape[0]}, S] on {data.device} second, "
-                             f"got {_describe(scales)}")
+                             f"got {describe(scales)}")
         return data.shape[0]
-    if not isinstance(x, torch.Tensor) or x.dtype not in _FLOAT_DTYPES or x.dim() != 2:
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_INPUTS or x.dim() != 2:
         raise ValueError(f"x: expected a bfloat16 (or float32/float16) tensor [T, H] or an (e4m3, scales) pair, "
-                         f"got {_describe(x)}")
+                         f"got {describe(x)}")
     if not x.is_contiguous():
         raise ValueError("x: expected a contiguous tensor")
     return x.shape[0]
@@ -624,7 +618,7 @@ def _check_bias(bias, shape: tuple[int, int], dtype: torch.dtype, device) -> lis
     for b in biases:
         if not isinstance(b, torch.Tensor) or b.dtype != dtype or tuple(b.shape) != shape or b.device != device:
             raise ValueError(f"bias: expected {dtype} {shape} on {device} (x's dtype, one row per token), got "
-                             f"{_describe(b)}")
+                             f"{describe(b)}")
     return biases
 
 

@@ -25,6 +25,7 @@ import torch
 
 from moe_fp4 import formats, ops
 from moe_fp4.ep import _triton_rows
+from moe_fp4.formats._checks import describe
 
 FP8_GROUP = formats.FP8_GROUP
 
@@ -61,8 +62,7 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor, out: torch.Tensor | None =
 
 def _check_rows(rows: torch.Tensor, width: int, hidden: int, name: str = "rows") -> None:
     if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2:
-        got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(f"{name}: expected uint8 [N, {width}] rows, got {got}")
+        raise ValueError(f"{name}: expected uint8 [N, {width}] rows, got {describe(rows)}")
     if rows.shape[1] != width:
         raise ValueError(f"{name}: expected {width} bytes per row for hidden={hidden}, got {rows.shape[1]}")
 

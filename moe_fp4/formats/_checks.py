@@ -5,6 +5,13 @@ from __future__ import annotations
 import torch
 
 
+def describe(t, *, device: bool = False) -> str:
+    """An argument as an error message shows it: dtype and shape (and device) of a tensor, else its type."""
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)}" + (f" on {t.device}" if device else "")
+
+
 def check_tensor(t, name: str, *, dtypes=None, min_dim: int = 0, dim: int | None = None) -> None:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")

@@ -73,6 +73,7 @@ from moe_fp4 import formats
 from moe_fp4.ep.autograd import combine_with_grad, dispatch_with_grad, row_weights_with_grad
 from moe_fp4.ep.buffer import Buffer, DispatchHandle
 from moe_fp4.ep.payloads import get_payload
+from moe_fp4.formats._checks import describe
 from moe_fp4.moe.experts import ALIGN as EXPERTS_ALIGN
 from moe_fp4.moe.experts import SAVE_POLICIES, Experts
 
@@ -449,8 +450,8 @@ class MoeFp4Experts(Experts):
     def _forward_padded(self, rows, tokens_per_expert, probs):
         """Megatron's rows (back to back by expert) copied into a 128-aligned layout and back."""
         if not isinstance(rows, torch.Tensor) or rows.dim() != 2 or rows.shape[1] != self.hidden:
-            got = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-            raise ValueError(f"permuted_local_hidden_states: expected a tensor [N, {self.hidden}], got {got}")
+            raise ValueError(f"permuted_local_hidden_states: expected a tensor [N, {self.hidden}], "
+                             f"got {describe(rows)}")
         counts = [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
         if len(counts) != self.num_experts or sum(counts) != rows.shape[0]:
             raise ValueError(f"tokens_per_expert: expected {self.num_experts} counts summing to {rows.shape[0]} "

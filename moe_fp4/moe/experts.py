@@ -29,6 +29,7 @@ import math
 import torch
 
 from moe_fp4 import formats, ops
+from moe_fp4.formats._checks import describe
 from moe_fp4.moe._triton_swiglu import swiglu as _swiglu
 from moe_fp4.moe._triton_swiglu import swiglu_backward as _swiglu_backward
 from moe_fp4.moe.grouped_gemm import group_bounds, grouped_gemm_fp8, grouped_gemm_fp8_wgrad
@@ -205,14 +206,13 @@ class Experts(torch.nn.Module):
           projection): the routing weights (``moe_fp4.ep.row_weights_with_grad``), differentiable."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden \
                 or x.dtype not in (torch.bfloat16, torch.float32):
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x: expected a bfloat16/float32 tensor [M, {self.hidden}], got {got}")
+            raise ValueError(f"x: expected a bfloat16/float32 tensor [M, {self.hidden}], got {describe(x)}")
         g = self.num_experts
         for name, t in (("split_offsets", split_offsets), ("split_lens", split_lens)):
             if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32) \
                     or tuple(t.shape) != (g,) or t.device != x.device:
-                got = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise ValueError(f"{name}: expected an int64 tensor [{g}] on {x.device}, got {got}")
+                raise ValueError(f"{name}: expected an int64 tensor [{g}] on {x.device}, "
+                                 f"got {describe(t, device=True)}")
         m = x.shape[0]
         if x_fp8 is not None:
             _check_pair(x_fp8, "x_fp8", ((m, self.hidden), torch.float8_e4m3fn),
@@ -231,9 +231,8 @@ class Experts(torch.nn.Module):
                                      f"(row {bounds[e - 1][1]}); experts' rows must follow in expert order")
         if row_weights is not None and (not isinstance(row_weights, torch.Tensor) or row_weights.dtype != torch.float32
                                         or tuple(row_weights.shape) != (m,) or row_weights.device != x.device):
-            got = f"{row_weights.dtype} {tuple(row_weights.shape)} on {row_weights.device}" \
-                if isinstance(row_weights, torch.Tensor) else type(row_weights).__name__
-            raise ValueError(f"row_weights: expected a float32 tensor [{m}] on {x.device}, got {got}")
+            raise ValueError(f"row_weights: expected a float32 tensor [{m}] on {x.device}, "
+                             f"got {describe(row_weights, device=True)}")
         return _ExpertsFunction.apply(x, self.w1, self.w2, split_offsets, split_lens, self.fp8_weights(), x_fp8,
                                       x_mxfp4, self.save, row_weights)
 

@@ -14,16 +14,12 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
-from moe_fp4.formats._checks import check_multiple, check_tensor
+from moe_fp4.formats._checks import check_multiple, check_tensor, describe
 from moe_fp4.moe import _deep_gemm, _triton_grouped_gemm
 
 FP8 = torch.float8_e4m3fn
 BLOCK = formats.FP8_GROUP  # 128: the activations' 1x128 groups and the weights' 128x128 tiles
 WGRAD_ROW_ALIGN = 16  # the weight gradient's groups start on 16-row (16-byte) boundaries: aligned loads
-
-
-def _describe(t) -> str:
-    return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def check_grouped_gemm_args(a, a_scales, w, w_scales, split_offsets, split_lens) -> tuple[int, int, int, int]:
@@ -39,10 +35,10 @@ def check_grouped_gemm_args(a, a_scales, w, w_scales, split_offsets, split_lens)
     want = {"a_scales": (a_scales, (m, k // BLOCK)), "w_scales": (w_scales, (g, n // BLOCK, k // BLOCK))}
     for name, (t, shape) in want.items():
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or tuple(t.shape) != shape:
-            raise ValueError(f"{name}: expected float32 {shape}, got {_describe(t)}")
+            raise ValueError(f"{name}: expected float32 {shape}, got {describe(t)}")
     for name, t in (("split_offsets", split_offsets), ("split_lens", split_lens)):
         if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32) or tuple(t.shape) != (g,):
-            raise ValueError(f"{name}: expected an int64 tensor [{g}] (one per group of w), got {_describe(t)}")
+            raise ValueError(f"{name}: expected an int64 tensor [{g}] (one per group of w), got {describe(t)}")
     for name, t in (("a_scales", a_scales), ("w", w), ("w_scales", w_scales), ("split_offsets", split_offsets),
                     ("split_lens", split_lens)):
         if t.device != a.device:
@@ -124,7 +120,7 @@ def _cols_operand(t, scales, name, scales_name):
     check_multiple(t.shape[0], BLOCK, name, "first dimension")
     if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or scales.dim() != 2 \
             or scales.shape[0] != t.shape[0]:
-        raise ValueError(f"{scales_name}: expected float32 [{t.shape[0]}, blocks], got {_describe(scales)}")
+        raise ValueError(f"{scales_name}: expected float32 [{t.shape[0]}, blocks], got {describe(scales)}")
 
 
 def _scale_offsets(offsets, split_offsets, g, name, device):
@@ -132,7 +128,7 @@ def _scale_offsets(offsets, split_offsets, g, name, device):
         return torch.div(split_offsets.to(torch.int64), BLOCK, rounding_mode="floor")
     if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
             or tuple(offsets.shape) != (g,) or offsets.device != device:
-        raise ValueError(f"{name}: expected an int64 tensor [{g}] on {device}, got {_describe(offsets)}")
+        raise ValueError(f"{name}: expected an int64 tensor [{g}] on {device}, got {describe(offsets)}")
     return offsets
 
 
@@ -145,7 +141,7 @@ def check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_le
     for name, t in (("split_offsets", split_offsets), ("split_lens", split_lens)):
         if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int64, torch.int32) or t.dim() != 1 \
                 or t.shape[0] != split_lens.shape[0]:
-            raise ValueError(f"{name}: expected an int64 tensor [G], got {_describe(t)}")
+            raise ValueError(f"{name}: expected an int64 tensor [G], got {describe(t)}")
     g = split_lens.shape[0]
     dev = a_cols.device
     for name, t in (("a_scales", a_scales), ("b_cols", b_cols), ("b_scales", b_scales),
@@ -156,7 +152,7 @@ def check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_le
     b_base = _scale_offsets(b_scale_offsets, split_offsets, g, "b_scale_offsets", dev)
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
                             or tuple(out.shape) != (g, n, kdim) or not out.is_contiguous() or out.device != dev):
-        raise ValueError(f"out: expected a contiguous float32 tensor {(g, n, kdim)} on {dev}, got {_describe(out)}")
+        raise ValueError(f"out: expected a contiguous float32 tensor {(g, n, kdim)} on {dev}, got {describe(out)}")
     return g, n, kdim, a_base, b_base
 
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from moe_fp4 import formats
 from moe_fp4.ep import Buffer, combine_with_grad, dispatch_with_grad, row_weights_with_grad
 from moe_fp4.ep.backends import LocalBackend
+from moe_fp4.formats._checks import describe
 from moe_fp4.moe.experts import ALIGN, Experts
 
 # policy -> (dispatch payload, Experts save policy or None for BF16 GEMMs)
@@ -187,8 +188,7 @@ class MoELayer(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != self.hidden:
-            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x: expected a tensor [..., {self.hidden}], got {got}")
+            raise ValueError(f"x: expected a tensor [..., {self.hidden}], got {describe(x)}")
         shape = x.shape
         flat = x.reshape(-1, self.hidden)
         idx, weights = self.router(flat)

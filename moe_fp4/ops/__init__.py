@@ -60,7 +60,7 @@ from __future__ import annotations
 import torch
 
 from moe_fp4 import formats
-from moe_fp4.formats._checks import check_tensor
+from moe_fp4.formats._checks import FLOAT_INPUTS, check_tensor
 from moe_fp4.ops import _native, _ops
 from moe_fp4.ops import build as _build_command  # noqa: F401  (loaded first: `build` below is the function)
 from moe_fp4.ops._ops import mxfp4_rows_to_fp8_cols_planned
@@ -86,7 +86,6 @@ __all__ = [
     "scatter_rows",
 ]
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX = (torch.int32, torch.int64)
 
 
@@ -111,7 +110,7 @@ def _tensor(t, name, dtypes, dim=None):
 
 
 def _float_rows(x, block):
-    _tensor(x, "x", _FLOATS, 2)
+    _tensor(x, "x", FLOAT_INPUTS, 2)
     if x.shape[1] % block:
         raise ValueError(f"x: last dimension ({x.shape[1]}) must be a multiple of {block}")
     if x.shape[1] and x.stride(1) != 1:
@@ -529,8 +528,8 @@ def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     check_tensor(packed, "packed", dtypes=(torch.uint8,), min_dim=1)
     check_tensor(scales, "scales", dtypes=(torch.uint8,), min_dim=1)
     _same_device(scales, packed, "scales")
-    if dtype not in _FLOATS:
-        raise ValueError(f"dtype: expected one of {_FLOATS}, got {dtype!r}")
+    if dtype not in FLOAT_INPUTS:
+        raise ValueError(f"dtype: expected one of {FLOAT_INPUTS}, got {dtype!r}")
     h = packed.shape[-1] * 2
     expected = (*packed.shape[:-1], h // 32)
     if h % 32 or tuple(scales.shape) != expected:
