@@ -260,6 +260,8 @@ _, _, x_t, x_ts = ops.quantize_fp8_rows_cols(x)
 out = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l)
 ref = gg.grouped_gemm_fp8_wgrad_reference(dy_t, dy_ts, x_t, x_ts, o, l)
 assert float((out - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -18, "wgrad"
+given = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, a_scale_offsets=o // 128, b_scale_offsets=o // 128)
+assert torch.equal(given, out), "wgrad with the scale offsets given"
 again = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out=out.clone())
 assert torch.equal(again, out * 2), "wgrad accumulation"
 b16 = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out_dtype=torch.bfloat16)

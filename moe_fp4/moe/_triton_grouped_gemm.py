@@ -92,8 +92,8 @@ if triton is not None:
     def _grouped_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr, a_base_ptr,
                               b_base_ptr, n, kdim, n_blocks, k_blocks, tokens_a, tokens_b,
                               stride_a, stride_asc, stride_b, stride_bsc,
-                              ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                              STAGES: tl.constexpr):
+                              ACCUMULATE: tl.constexpr, A_BASE: tl.constexpr, B_BASE: tl.constexpr,
+                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
         pid = tl.program_id(0)
         tiles = n_blocks * k_blocks
         g = pid // tiles
@@ -104,8 +104,15 @@ if triton is not None:
         # 16-byte aligned, which lets the loads go 16 bytes at a time through the async copy pipeline
         first = tl.multiple_of(tl.load(offs_ptr + g).to(tl.int64), 16)
         count = tl.load(lens_ptr + g).to(tl.int64)
-        base_a = tl.load(a_base_ptr + g).to(tl.int64)
-        base_b = tl.load(b_base_ptr + g).to(tl.int64)
+        # each operand's first scale column: given per group, or the group's first row / 128
+        if A_BASE:
+            base_a = tl.load(a_base_ptr + g).to(tl.int64)
+        else:
+            base_a = first // BK
+        if B_BASE:
+            base_b = tl.load(b_base_ptr + g).to(tl.int64)
+        else:
+            base_b = first // BK
         rows_a = (pid_n * BM + tl.arange(0, BM)).to(tl.int64)
         rows_b = (pid_k * BN + tl.arange(0, BN)).to(tl.int64)
         tokens = tl.arange(0, BK)
@@ -222,7 +229,8 @@ def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.T
 
 def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b_base, out, accumulate) -> None:
     """As moe_fp4.moe.grouped_gemm_fp8_wgrad (arguments checked there, group offsets multiples of 16):
-    writes out [G, N, K] (float32 sums, stored in out's dtype). Scales are read per token block for
+    writes out [G, N, K] (float32 sums, stored in out's dtype). a_base / b_base: int [G], each group's
+    first scale column, or None for split_offsets / 128. Scales are read per token block for
     128 columns at a time, so they are given to the kernel block-major ([blocks, columns] contiguous:
     one 512-byte read)."""
     g, n, kdim = out.shape
@@ -234,8 +242,11 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
         b_scales = b_scales.t().contiguous().t()
     n_blocks, k_blocks = n // WGRAD_BM, kdim // WGRAD_BN
     grid = (g * n_blocks * k_blocks,)
-    _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens, a_base, b_base,
+    _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens,
+                                split_offsets if a_base is None else a_base,
+                                split_offsets if b_base is None else b_base,
                                 n, kdim, n_blocks, k_blocks, a.shape[1], b.shape[1],
                                 a.stride(0), a_scales.stride(1), b.stride(0), b_scales.stride(1),
-                                ACCUMULATE=accumulate, BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K, STAGES=WGRAD_STAGES,
+                                ACCUMULATE=accumulate, A_BASE=a_base is not None, B_BASE=b_base is not None,
+                                BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K, STAGES=WGRAD_STAGES,
                                 num_warps=WGRAD_WARPS, num_stages=WGRAD_STAGES)

@@ -18,7 +18,9 @@ wgrad included: it takes no float32 output for BF16 operands); DeepGEMM
 (``m_grouped_fp8_gemm_nt_contiguous`` and, for wgrad, ``k_grouped_fp8_gemm_nt_contiguous``, the
 same scaling as ours) when ``deep_gemm`` imports and a small call of it succeeds in a child
 process. TFLOP/s = 2 x (rows of the groups) x N x K / time; times are CUDA-event medians of one call
-each (the default stream, inputs ready).
+each, the calls queued by the host during a GPU sleep ahead of them (the kernel benchmark's method: as in
+a training step, the host's work in a call overlaps the device's work on the calls before it; the host
+time of a call shows only where it exceeds the device time).
 Then the expert MLP (``Experts``) forward + backward per save policy against the same MLP on BF16
 grouped GEMMs (torch._grouped_mm forward, dgrad and wgrad), and the FP8 ceiling of this GPU: one
 dense ``torch._scaled_mm`` of 8192^3 with rowwise scales.
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
-import statistics
 import sys
 
 import torch
@@ -39,23 +40,14 @@ from moe_fp4 import ops
 from moe_fp4.moe import _deep_gemm, _triton_grouped_gemm
 from moe_fp4.moe.experts import SAVE_POLICIES, Experts, _fp8_tiles
 from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8, grouped_gemm_fp8_wgrad
+from moe_fp4.ops.bench import device_median_us
 
 HIDDEN, INTER = 7168, 2048
 GOALS = {"fprop": 0.9, "dgrad": 0.8, "wgrad": 0.8}
 
 
-def _median_us(fn, iters: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+def _median_us(fn, iters: int) -> float:
+    return device_median_us(lambda i: fn(), 1, reps=iters, batch=min(iters, 10))
 
 
 def split_lengths(m: int, g: int, kind: str, seed: int = 0) -> list[int]:

@@ -123,18 +123,26 @@ def _cols_operand(t, scales, name, scales_name):
         raise ValueError(f"{scales_name}: expected float32 [{t.shape[0]}, blocks], got {describe(scales)}")
 
 
-def _scale_offsets(offsets, split_offsets, g, name, device):
+def _scale_offsets(offsets, g, name, device):
     if offsets is None:
-        return torch.div(split_offsets.to(torch.int64), BLOCK, rounding_mode="floor")
+        return None  # (split_offsets / 128: the kernel divides itself, no launch for it here)
     if not isinstance(offsets, torch.Tensor) or offsets.dtype not in (torch.int64, torch.int32) \
             or tuple(offsets.shape) != (g,) or offsets.device != device:
         raise ValueError(f"{name}: expected an int64 tensor [{g}] on {device}, got {describe(offsets)}")
     return offsets
 
 
+def _bases(split_offsets, base):
+    """The first scale column of each group: the given offsets, or split_offsets / 128."""
+    if base is not None:
+        return base
+    return torch.div(split_offsets.to(torch.int64), BLOCK, rounding_mode="floor")
+
+
 def check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
                      b_scale_offsets, out) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
-    """ValueError naming the argument unless the operands fit; returns (G, N, K, a_base, b_base)."""
+    """ValueError naming the argument unless the operands fit; returns (G, N, K, a_base, b_base), a base
+    None where its scale offsets are not given (then split_offsets / 128: ``_bases``)."""
     _cols_operand(a_cols, a_scales, "a_cols", "a_scales")
     _cols_operand(b_cols, b_scales, "b_cols", "b_scales")
     n, kdim = a_cols.shape[0], b_cols.shape[0]
@@ -148,8 +156,8 @@ def check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_le
                     ("split_offsets", split_offsets), ("split_lens", split_lens)):
         if t.device != dev:
             raise ValueError(f"{name}: expected a tensor on {dev} (a_cols' device), got {t.device}")
-    a_base = _scale_offsets(a_scale_offsets, split_offsets, g, "a_scale_offsets", dev)
-    b_base = _scale_offsets(b_scale_offsets, split_offsets, g, "b_scale_offsets", dev)
+    a_base = _scale_offsets(a_scale_offsets, g, "a_scale_offsets", dev)
+    b_base = _scale_offsets(b_scale_offsets, g, "b_scale_offsets", dev)
     if out is not None and (not isinstance(out, torch.Tensor) or out.dtype != torch.float32
                             or tuple(out.shape) != (g, n, kdim) or not out.is_contiguous() or out.device != dev):
         raise ValueError(f"out: expected a contiguous float32 tensor {(g, n, kdim)} on {dev}, got {describe(out)}")
@@ -162,7 +170,7 @@ def _validate_wgrad(a_cols, a_scales, b_cols, b_scales, split_offsets, split_len
     bounds = group_bounds(split_offsets, split_lens, tokens)
     for (name, given, base, scales) in (("a_scale_offsets", a_scale_offsets, a_base, a_scales),
                                         ("b_scale_offsets", b_scale_offsets, b_base, b_scales)):
-        for e, ((lo, hi), s) in enumerate(zip(bounds, base.tolist())):
+        for e, ((lo, hi), s) in enumerate(zip(bounds, _bases(split_offsets, base).tolist())):
             if hi == lo:
                 continue
             if lo % WGRAD_ROW_ALIGN:
@@ -235,6 +243,7 @@ def _wgrad_reference(a_cols, a_scales, b_cols, b_scales, split_offsets, split_le
     g, n, kdim = split_lens.shape[0], a_cols.shape[0], b_cols.shape[0]
     out = torch.zeros(g, n, kdim, dtype=torch.float32, device=a_cols.device)
     tokens = min(a_cols.shape[1], b_cols.shape[1])
+    a_base, b_base = _bases(split_offsets, a_base), _bases(split_offsets, b_base)
     for e, ((lo, hi), sa, sb) in enumerate(zip(group_bounds(split_offsets, split_lens, tokens), a_base.tolist(),
                                                b_base.tolist())):
         if hi > lo:

@@ -24,7 +24,9 @@ from moe_fp4 import formats, ops
 from moe_fp4.ops import _native, _ops
 
 
-def _median_us(fn, nsets: int, reps: int = 60, batch: int = 10) -> float:
+def device_median_us(fn, nsets: int, reps: int = 60, batch: int = 10) -> float:
+    """Median device time of one call fn(i), i the input set: CUDA events around each call, the calls of a
+    batch queued by the host during a GPU sleep ahead of them."""
     for i in range(3):
         fn(i % nsets)
     torch.cuda.synchronize()
@@ -60,7 +62,7 @@ def _call_us(fn, nsets: int, reps: int = 60, rounds: int = 5) -> float:
 def copy_ceiling_gbs(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)
-    us = _median_us(lambda i: dst.copy_(src), 1, reps=30)
+    us = device_median_us(lambda i: dst.copy_(src), 1, reps=30)
     return 2 * nbytes / us / 1e3
 
 
@@ -72,7 +74,7 @@ def same_size_copy_gbs(traffic: int, reps: int) -> float:
     ns = _sets(n)
     src = [torch.empty(n, dtype=torch.uint8, device="cuda").random_() for _ in range(ns)]
     dst = [torch.empty_like(t) for t in src]
-    us = _median_us(lambda i: dst[i].copy_(src[i]), ns, reps)
+    us = device_median_us(lambda i: dst[i].copy_(src[i]), ns, reps)
     return 2 * n / us / 1e3
 
 
@@ -117,33 +119,33 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         fp8_bytes = t * h + t * h // 128 * 4
 
         # quantize_mxfp4
-        us = _median_us(lambda i: native.quantize_mxfp4(xs[i], True), ns, reps)
+        us = device_median_us(lambda i: native.quantize_mxfp4(xs[i], True), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda x: formats.quantize_mxfp4(x), dynamic=False)
-            extra["x_compile"] = _median_us(lambda i: spec(xs[i]), ns, reps) / us
+            extra["x_compile"] = device_median_us(lambda i: spec(xs[i]), ns, reps) / us
         add("quantize_mxfp4", shape, us, n_in + fp4_bytes, **extra)
 
         rowbufs = [torch.empty(t, formats.mxfp4_row_bytes(h), dtype=torch.uint8, device="cuda") for _ in range(ns)]
-        us = _median_us(lambda i: native.quantize_mxfp4_rows_into(xs[i], True, rowbufs[i], None), ns, reps)
+        us = device_median_us(lambda i: native.quantize_mxfp4_rows_into(xs[i], True, rowbufs[i], None), ns, reps)
         add("quantize_mxfp4_rows", shape, us, n_in + fp4_bytes)
 
         # mxfp4_to_fp8_blockwise
-        us = _median_us(lambda i: native.mxfp4_to_fp8_blockwise(q[i][0], q[i][1], None, None), ns, reps)
+        us = device_median_us(lambda i: native.mxfp4_to_fp8_blockwise(q[i][0], q[i][1], None, None), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda p, s: formats.mxfp4_to_fp8_blockwise(p, s), dynamic=False)
-            extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, reps) / us
+            extra["x_compile"] = device_median_us(lambda i: spec(*q[i]), ns, reps) / us
         add("mxfp4_to_fp8_blockwise", shape, us, fp4_bytes + fp8_bytes, **extra)
         rb = [formats.pack_mxfp4_rows(*qq) for qq in q]
-        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_blockwise(rb[i], h, None, None), ns, reps)
+        us = device_median_us(lambda i: native.mxfp4_rows_to_fp8_blockwise(rb[i], h, None, None), ns, reps)
         add("mxfp4_rows_to_fp8_blockwise (byte rows)", shape, us, fp4_bytes + fp8_bytes)
 
         # mxfp4_rows_to_fp8_cols, 32 experts of equal length (multiples of 128)
         experts = 32
         lens = torch.full((experts,), t // experts, dtype=torch.int64, device="cuda")
         plan = _ops.column_plan(lens, None, t)  # (groups, two_pass, full_groups) as the public op chooses them
-        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
+        us = device_median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], lens, None, *plan), ns, reps)
 
         # The unfused sequence at its fastest: one compiled (fused) dequantize to BF16, a transpose
         # copy (padded with zero tokens to a multiple of 128, as the spec quantizes a short group),
@@ -155,21 +157,21 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
             v = dequant(q[i][0], q[i][1]).t()
             return native.quantize_fp8_blockwise(torch.nn.functional.pad(v, (0, pad)) if pad else v.contiguous())
 
-        extra = {"x_unfused": _median_us(unfused, ns, max(10, reps // 3)) / us}
+        extra = {"x_unfused": device_median_us(unfused, ns, max(10, reps // 3)) / us}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda p, s: formats.mxfp4_rows_to_fp8_cols(p, s, lens), dynamic=False)
-            extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, max(10, reps // 3)) / us
+            extra["x_compile"] = device_median_us(lambda i: spec(*q[i]), ns, max(10, reps // 3)) / us
         add(f"mxfp4_rows_to_fp8_cols {experts} experts", shape, us, fp4_bytes + fp8_bytes, **extra)
         cuts = torch.sort(torch.randint(0, t + 1, (experts - 1,))).values
         rlens = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([t])])).cuda()
         rplan = _ops.column_plan(rlens, None, t)
-        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
+        us = device_median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], rlens, None, *rplan), ns, reps)
         add(f"mxfp4_rows_to_fp8_cols {experts} ragged", shape, us, fp4_bytes + fp8_bytes)
         # the same cuts rounded down to 32 rows (segments padded as grouped FP8 GEMMs want them): one
         # pass with the host's group table, as the op runs it
         plens = torch.diff(torch.cat([torch.tensor([0]), cuts // 32 * 32, torch.tensor([t])])).cuda()
         launch = _ops.column_launch(plens, None, t)
-        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
+        us = device_median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], plens, None, *launch), ns, reps)
         add(f"mxfp4_rows_to_fp8_cols {experts} experts, 32-row starts", shape, us, fp4_bytes + fp8_bytes)
         # segments at offsets on 32-row boundaries with gaps between them, as a receive buffer whose
         # experts start 32-row aligned: the ragged lengths less 31 rows, each placed at the next
@@ -178,7 +180,8 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
         goffs = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64, device="cuda"), (glens + 31) // 32 * 32]),
                              0)[:-1]
         launch = _ops.column_launch(glens, goffs, t)
-        us = _median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns, reps)
+        us = device_median_us(lambda i: native.mxfp4_rows_to_fp8_cols(q[i][0], q[i][1], glens, goffs, *launch), ns,
+                              reps)
         add(f"mxfp4_rows_to_fp8_cols {experts} experts at 32-row offsets, gaps", shape, us, fp4_bytes + fp8_bytes)
         # the expert segments of a dispatch's received rows (a world of one: top-8 of 32 experts over
         # t / 8 tokens), as a wgrad operand: back to back (ragged, two passes) against each expert's
@@ -193,7 +196,7 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                 rows = [formats.quantize_mxfp4(torch.randn(n_out, h, device="cuda", dtype=torch.bfloat16))
                         for _ in range(ns)]
                 launch = _ops.column_launch(dl, do, n_out)
-                us = _median_us(lambda i, v=rows, dl=dl, do=do, launch=launch: native.mxfp4_rows_to_fp8_cols(
+                us = device_median_us(lambda i, v=rows, dl=dl, do=do, launch=launch: native.mxfp4_rows_to_fp8_cols(
                     v[i][0], v[i][1], dl, do, *launch), ns, reps)
                 name = "back to back" if align == 1 else f"expert_alignment={align}"
                 nbytes = fp4_bytes + n_out * h + n_out * h // 128 * 4
@@ -213,24 +216,24 @@ def run(tokens: list[int], hidden: int, compile_spec: bool, reps: int) -> dict:
                 add(f"mxfp4_rows_to_fp8_cols op per call, {name}, {where} splits", shape, us, fp4_bytes + fp8_bytes)
         # the path the plan did not choose, for the record
         for name, ls, (g, two, full) in ((f"{experts} experts", lens, plan), (f"{experts} ragged", rlens, rplan)):
-            us = _median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_rows_to_fp8_cols(
+            us = device_median_us(lambda i, ls=ls, g=g, two=two, full=full: native.mxfp4_rows_to_fp8_cols(
                 q[i][0], q[i][1], ls, None, g, not two, full), ns, reps)
             add(f"mxfp4_rows_to_fp8_cols {name}, {'one' if two else 'two'}-pass", shape, us, fp4_bytes + fp8_bytes)
 
         # MXFP4 -> BF16
-        us = _median_us(lambda i: native.dequantize_mxfp4(q[i][0], q[i][1]), ns, reps)
+        us = device_median_us(lambda i: native.dequantize_mxfp4(q[i][0], q[i][1]), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda p, s: formats.dequantize_mxfp4(p, s, dtype=torch.bfloat16), dynamic=False)
-            extra["x_compile"] = _median_us(lambda i: spec(*q[i]), ns, reps) / us
+            extra["x_compile"] = device_median_us(lambda i: spec(*q[i]), ns, reps) / us
         add("dequantize_mxfp4 (bfloat16)", shape, us, fp4_bytes + n_in, **extra)
 
         # BF16 -> FP8 1x128
-        us = _median_us(lambda i: native.quantize_fp8_blockwise(xs[i]), ns, reps)
+        us = device_median_us(lambda i: native.quantize_fp8_blockwise(xs[i]), ns, reps)
         extra = {}
         if compile_spec and t == tokens[0]:
             spec = torch.compile(lambda x: formats.quantize_fp8_blockwise(x, block=(1, 128)), dynamic=False)
-            extra["x_compile"] = _median_us(lambda i: spec(xs[i]), ns, reps) / us
+            extra["x_compile"] = device_median_us(lambda i: spec(xs[i]), ns, reps) / us
         add("quantize_fp8_blockwise", shape, us, n_in + t * h + t * h // 128 * 4, **extra)
 
     for t in tokens:
