@@ -262,6 +262,11 @@ ref = gg.grouped_gemm_fp8_wgrad_reference(dy_t, dy_ts, x_t, x_ts, o, l)
 assert float((out - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -18, "wgrad"
 given = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, a_scale_offsets=o // 128, b_scale_offsets=o // 128)
 assert torch.equal(given, out), "wgrad with the scale offsets given"
+# (the columns' rows on the 16-byte grid: tensor-map loads; the same columns in rows 8 bytes longer:
+# per-thread loads, the same bits)
+wide = lambda t: torch.nn.functional.pad(t.view(torch.uint8), (0, 8)).view(t.dtype)[:, :t.shape[1]]
+assert dy_t.stride(0) %% 16 == 0 and wide(dy_t).stride(0) %% 16 == 8
+assert torch.equal(gg.grouped_gemm_fp8_wgrad(wide(dy_t), dy_ts, wide(x_t), x_ts, o, l), out), "wgrad per-thread loads"
 again = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out=out.clone())
 assert torch.equal(again, out * 2), "wgrad accumulation"
 b16 = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out_dtype=torch.bfloat16)

@@ -166,6 +166,12 @@ def test_triton_wgrad_scale_layouts():
         sliced = wide[2:2 + dy_ts.shape[1]].t()  # [N, blocks], unit stride along N, offset into the buffer
         assert sliced.stride(0) == 1
         assert torch.equal(grouped_gemm_fp8_wgrad(dy_t, sliced, x_t, x_ts, offs, ls), want)
+        # columns whose rows leave the 16-byte grid (per-thread loads instead of tensor-map copies)
+        assert dy_t.stride(0) % 16 == 0 and x_t.stride(0) % 16 == 0
+        off_grid = [torch.nn.functional.pad(t.view(torch.uint8), (0, 8)).view(t.dtype)[:, :t.shape[1]]
+                    for t in (dy_t, x_t)]
+        assert off_grid[0].stride(0) % 16 == 8
+        assert torch.equal(grouped_gemm_fp8_wgrad(off_grid[0], dy_ts, off_grid[1], x_ts, offs, ls), want)
 
 
 def _abs(fp8):

@@ -21,6 +21,7 @@ import torch
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # (CPU machines without Triton: the torch reference runs instead)
     triton = None
 
@@ -89,11 +90,12 @@ if triton is not None:
             tl.store(out, acc.to(tl.bfloat16), mask=row_ok[:, None])
 
     @triton.jit
-    def _grouped_wgrad_kernel(a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr, a_base_ptr,
-                              b_base_ptr, n, kdim, n_blocks, k_blocks, tokens_a, tokens_b,
+    def _grouped_wgrad_kernel(a_desc, b_desc, a_ptr, a_scale_ptr, b_ptr, b_scale_ptr, out_ptr, offs_ptr, lens_ptr,
+                              a_base_ptr, b_base_ptr, n, kdim, n_blocks, k_blocks, tokens_a, tokens_b,
                               stride_a, stride_asc, stride_b, stride_bsc,
                               ACCUMULATE: tl.constexpr, A_BASE: tl.constexpr, B_BASE: tl.constexpr,
-                              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr):
+                              TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                              STAGES: tl.constexpr):
         pid = tl.program_id(0)
         tiles = n_blocks * k_blocks
         g = pid // tiles
@@ -126,8 +128,12 @@ if triton is not None:
         # (the loop's own pipeline depth: left to the kernel's, the partial block below took part in
         # the schedule and the loop ran slower; the same products and sums in the same order)
         for i in tl.range(0, full, num_stages=STAGES):
-            a = tl.load(a_rows + i * BK)
-            b = tl.load(b_rows + i * BK)
+            if TMA:  # (the tile copies of the tensor-memory accelerator: no per-thread addresses)
+                a = a_desc.load([pid_n * BM, first.to(tl.int32) + i * BK])
+                b = b_desc.load([pid_k * BN, first.to(tl.int32) + i * BK])
+            else:
+                a = tl.load(a_rows + i * BK)
+                b = tl.load(b_rows + i * BK)
             sa = tl.load(a_sc + i * stride_asc)
             sb = tl.load(b_sc + i * stride_bsc)
             acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb[None, :])
@@ -242,11 +248,16 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
         b_scales = b_scales.t().contiguous().t()
     n_blocks, k_blocks = n // WGRAD_BM, kdim // WGRAD_BN
     grid = (g * n_blocks * k_blocks,)
-    _grouped_wgrad_kernel[grid](a, a_scales, b, b_scales, out, split_offsets, split_lens,
+    # whole token blocks through TMA where both operands' rows start on 16-byte boundaries (what a
+    # tensor map needs); through per-thread loads otherwise
+    tma = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, b))
+    a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [WGRAD_BM, BLOCK_K]) if tma else a
+    b_desc = TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [WGRAD_BN, BLOCK_K]) if tma else b
+    _grouped_wgrad_kernel[grid](a_desc, b_desc, a, a_scales, b, b_scales, out, split_offsets, split_lens,
                                 split_offsets if a_base is None else a_base,
                                 split_offsets if b_base is None else b_base,
                                 n, kdim, n_blocks, k_blocks, a.shape[1], b.shape[1],
                                 a.stride(0), a_scales.stride(1), b.stride(0), b_scales.stride(1),
                                 ACCUMULATE=accumulate, A_BASE=a_base is not None, B_BASE=b_base is not None,
-                                BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K, STAGES=WGRAD_STAGES,
+                                TMA=tma, BM=WGRAD_BM, BN=WGRAD_BN, BK=BLOCK_K, STAGES=WGRAD_STAGES,
                                 num_warps=WGRAD_WARPS, num_stages=WGRAD_STAGES)
