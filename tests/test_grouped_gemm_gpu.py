@@ -174,6 +174,23 @@ def test_triton_wgrad_scale_layouts():
         assert torch.equal(grouped_gemm_fp8_wgrad(off_grid[0], dy_ts, off_grid[1], x_ts, offs, ls), want)
 
 
+def test_triton_wgrad_few_tokens():
+    """No tokens at all (a rank that received none) and fewer than one 128-token block: the operands'
+    columns too short for a tensor map; zeros and the spec's sums."""
+    from moe_fp4 import ops
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad, grouped_gemm_fp8_wgrad_reference
+
+    gen = torch.Generator().manual_seed(SEED + 9)
+    for rows in (0, 64, 100):
+        _, _, a, a_s = ops.quantize_fp8_rows_cols(torch.randn(rows, 256, generator=gen).cuda().bfloat16())
+        _, _, b, b_s = ops.quantize_fp8_rows_cols(torch.randn(rows, 384, generator=gen).cuda().bfloat16())
+        offs, lens = torch.tensor([0, rows]).cuda(), torch.tensor([rows, 0]).cuda()
+        out = grouped_gemm_fp8_wgrad(a, a_s, b, b_s, offs, lens)
+        ref = grouped_gemm_fp8_wgrad_reference(a, a_s, b, b_s, offs, lens)
+        assert out.shape == (2, 256, 384) and int(out[1].count_nonzero()) == 0
+        assert float((out - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -18, rows
+
+
 def _abs(fp8):
     """|x| of an FP8 E4M3 tensor (the sign bit cleared), same strides."""
     return (fp8.view(torch.uint8) & 0x7F).view(torch.float8_e4m3fn)

@@ -249,8 +249,8 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
     n_blocks, k_blocks = n // WGRAD_BM, kdim // WGRAD_BN
     grid = (g * n_blocks * k_blocks,)
     # whole token blocks through TMA where both operands' rows start on 16-byte boundaries (what a
-    # tensor map needs); through per-thread loads otherwise
-    tma = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 for t in (a, b))
+    # tensor map needs) and hold a whole block; through per-thread loads otherwise
+    tma = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[1] >= BLOCK_K for t in (a, b))
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [WGRAD_BM, BLOCK_K]) if tma else a
     b_desc = TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [WGRAD_BN, BLOCK_K]) if tma else b
     _grouped_wgrad_kernel[grid](a_desc, b_desc, a, a_scales, b, b_scales, out, split_offsets, split_lens,
