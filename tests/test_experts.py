@@ -100,6 +100,10 @@ def test_given_fp8_and_mxfp4_forms_equal_quantizing_inside():
     given = _run(_module("mxfp4"), x, dy, x_fp8=ops.quantize_fp8_blockwise(x), x_mxfp4=ops.quantize_mxfp4(x))
     for a, b in zip(plain, given):
         assert torch.equal(a, b)
+    # the splits also given as host ints (the backward's FP8 columns of x from them): the same bits
+    hosted = _run(_module("mxfp4"), x, dy, host_splits=(list(LENS), list(OFFSETS)))
+    for a, b in zip(plain, hosted):
+        assert torch.equal(a, b)
     # "fp8" keeps the columns of x when it quantizes x itself, and requantizes the given FP8 rows by
     # columns: the same bits for an x on the FP8 grid
     x = formats.dequantize_fp8_blockwise(*formats.quantize_fp8_blockwise(x))
@@ -146,7 +150,9 @@ def test_experts_on_dispatch_output():
     values, out = dispatch_with_grad(buf, x, idx, weights, expert_alignment=128)
     module = _module("mxfp4")
     packed, scales = formats.unpack_mxfp4_rows(out.rows, H)
-    y = module(values, out.split_offsets, out.split_lens, x_fp8=out.to_fp8_blockwise(), x_mxfp4=(packed, scales))
+    assert out.host_splits == (out.split_lens.tolist(), out.split_offsets.tolist())
+    y = module(values, out.split_offsets, out.split_lens, x_fp8=out.to_fp8_blockwise(), x_mxfp4=(packed, scales),
+               host_splits=out.host_splits)
     z = combine_with_grad(buf, y, out.handle)
     z.float().square().sum().backward()
     assert x.grad is not None and bool(torch.isfinite(x.grad).all()) and int(x.grad.count_nonzero()) > 0
@@ -175,6 +181,9 @@ def test_experts_bad_arguments():
         (lambda: module(x, torch.tensor([0, 100, 384]), lens), "multiple of 128"),
         (lambda: module(x, offs, lens, x_fp8=ops.quantize_fp8_blockwise(x[:10])), "x_fp8"),
         (lambda: module(x, offs, lens, x_mxfp4=(x, x)), "x_mxfp4"),
+        (lambda: module(x, offs, lens, host_splits=(LENS,)), "host_splits"),
+        (lambda: module(x, offs, lens, host_splits=(LENS, [0.0, 128.0, 384.0])), "host_splits"),
+        (lambda: module(x, offs, lens, host_splits=(LENS, [0, 128, 256])), "host_splits: expected the same"),
     ]
     for call, word in cases:
         with pytest.raises(ValueError, match=word):

@@ -178,7 +178,8 @@ def test_triton_wgrad_few_tokens():
     """No tokens at all (a rank that received none) and fewer than one 128-token block: the operands'
     columns too short for a tensor map; zeros and the spec's sums."""
     from moe_fp4 import ops
-    from moe_fp4.moe import grouped_gemm_fp8_wgrad, grouped_gemm_fp8_wgrad_reference
+    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+    from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8_wgrad_reference
 
     gen = torch.Generator().manual_seed(SEED + 9)
     for rows in (0, 64, 100):

@@ -235,6 +235,15 @@ class DispatchOutput:
         return self.handle.tokens_per_expert
 
     @property
+    def host_splits(self) -> tuple[list[int], list[int]] | None:
+        """(split_lens, split_offsets) as host ints, or None for a sync-free dispatch (they are on the
+        device only)."""
+        h = self.handle
+        if h.sync_free:
+            return None
+        return h.tokens_per_expert, start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment))
+
+    @property
     def recv_topk_idx(self) -> torch.Tensor:
         return self.handle.recv_topk_idx
 
@@ -287,11 +296,10 @@ class DispatchOutput:
         if self.hidden % formats.FP8_GROUP:
             raise ValueError(f"to_fp8_cols: needs a hidden size that is a multiple of {formats.FP8_GROUP}, "
                              f"got {self.hidden}")
-        h = self.handle
-        starts = start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment))
+        lens, starts = self.host_splits
         packed, scales = formats.unpack_mxfp4_rows(self.rows, self.hidden)
-        return mxfp4_rows_to_fp8_cols_planned(packed, scales, h.tokens_per_expert, starts,
-                                              h.direct_cache.setdefault("fp8_cols", {}))
+        return mxfp4_rows_to_fp8_cols_planned(packed, scales, lens, starts,
+                                              self.handle.direct_cache.setdefault("fp8_cols", {}))
 
 
 def aligned_counts(counts: list[int], alignment: int) -> list[int]:

@@ -246,6 +246,7 @@ def _experts_rows(m, g, iters):
     lens = split_lengths(m, g, "uniform")
     offs_t = torch.tensor([sum(lens[:e]) for e in range(g)], device=dev)
     lens_t = torch.tensor(lens, device=dev)
+    host = (lens, [sum(lens[:e]) for e in range(g)])  # (as a dispatch gives them: no wait in backward)
     ends = torch.cumsum(lens_t, 0).to(torch.int32)
     x = torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16).requires_grad_()
     dy = torch.randn(m, HIDDEN, device=dev, dtype=torch.bfloat16)
@@ -260,7 +261,8 @@ def _experts_rows(m, g, iters):
             x.grad = module.w1.grad = module.w2.grad = None
             if remake:
                 module._fp8_key = None  # the weights' FP8 tiles are made once per weight version: count them
-            y = module(x, offs_t, lens_t, x_fp8=x_fp8, x_mxfp4=x_mx if save == "mxfp4" else None, validate=False)
+            y = module(x, offs_t, lens_t, x_fp8=x_fp8, x_mxfp4=x_mx if save == "mxfp4" else None, validate=False,
+                       host_splits=host)
             y.backward(dy)
 
         torch.cuda.reset_peak_memory_stats()

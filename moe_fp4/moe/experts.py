@@ -9,8 +9,9 @@ per optimizer step) by ``ops.quantize_fp8_tiles``.
 What the backward needs is saved according to ``save``:
   "mxfp4"     the expert input as MXFP4 rows (the dispatch's own rows when given: nothing quantized
               again) and the SwiGLU input as MXFP4; the wgrad operand of the input comes from
-              ``ops.mxfp4_rows_to_fp8_cols`` (FP4RowToFP8Col), which reads the split lengths on the
-              host in backward (its output shape depends on them: one synchronisation);
+              ``ops.mxfp4_rows_to_fp8_cols`` (FP4RowToFP8Col), which needs the split lengths on the
+              host in backward (its output shape depends on them): given as ``host_splits`` (a
+              dispatch's counts) they cost nothing, else the backward reads them (one synchronisation);
   "fp8"       the input as FP8 (its columns, or the FP8 rows it came as) and the SwiGLU input as FP8 1x128;
   "bf16"      both in BF16;
   "recompute" the input as FP8 rows only; the gate/up GEMM runs again in backward.
@@ -53,7 +54,7 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, offs, lens, weights, x_fp8, x_mxfp4, save, row_weights):
+    def forward(ctx, x, w1, w2, offs, lens, weights, x_fp8, x_mxfp4, save, row_weights, host_splits):
         w1_8, w1_s, w1_t, w1_ts, w2_8, w2_s, w2_t, w2_ts = weights
         x_cols = None
         if x_fp8 is None:
@@ -84,6 +85,7 @@ class _ExpertsFunction(torch.autograd.Function):
         ctx.save_for_backward(offs, lens, row_weights, *weights, *saved_x, *saved_y1)
         ctx.layout = (len(saved_x), len(saved_y1), x_cols is not None)
         ctx.save, ctx.x_dtype, ctx.hidden = save, x.dtype, x.shape[1]
+        ctx.host_splits = host_splits
         ctx.w_dtypes = (w1.dtype, w2.dtype)
         return y
 
@@ -118,7 +120,10 @@ class _ExpertsFunction(torch.autograd.Function):
         # the wgrad operand of the input: its FP8 columns
         x_base = None
         if save == "mxfp4":
-            x_t, x_ts, goff = ops.mxfp4_rows_to_fp8_cols(saved_x[0], saved_x[1], lens, offs)
+            # (splits from the host, when given: the op copies them over without waiting for the device)
+            host = ctx.host_splits
+            col_lens, col_offs = (lens, offs) if host is None else (torch.tensor(host[0]), torch.tensor(host[1]))
+            x_t, x_ts, goff = ops.mxfp4_rows_to_fp8_cols(saved_x[0], saved_x[1], col_lens, col_offs)
             x_base = goff[:-1]
         elif save == "bf16":
             x_t, x_ts = _cols(saved_x[0])
@@ -130,7 +135,7 @@ class _ExpertsFunction(torch.autograd.Function):
                                      out_dtype=ctx.w_dtypes[0], validate=False)
         if dx is not None:
             dx = dx.to(ctx.x_dtype)
-        return (dx, dw1, dw2, None, None, None, None, None, None, d_row_weights)
+        return (dx, dw1, dw2, None, None, None, None, None, None, d_row_weights, None)
 
 
 class Experts(torch.nn.Module):
@@ -190,7 +195,8 @@ class Experts(torch.nn.Module):
     def forward(self, x: torch.Tensor, split_offsets: torch.Tensor, split_lens: torch.Tensor, *,
                 x_fp8: tuple[torch.Tensor, torch.Tensor] | None = None,
                 x_mxfp4: tuple[torch.Tensor, torch.Tensor] | None = None, validate: bool = True,
-                row_weights: torch.Tensor | None = None) -> torch.Tensor:
+                row_weights: torch.Tensor | None = None,
+                host_splits: tuple[list[int], list[int]] | None = None) -> torch.Tensor:
         """bfloat16 [M, H]: each expert's MLP on its rows of x (rows of no expert: zero).
 
         x: bfloat16/float32 [M, H], the expert rows (the gradient of the input flows to it);
@@ -203,7 +209,10 @@ class Experts(torch.nn.Module):
         validate: check the splits on the host (one synchronisation); False for sync-free callers
           (invalid splits then give an unspecified result);
         row_weights: float32 [M], a weight per row applied to the SwiGLU output (before the down
-          projection): the routing weights (``moe_fp4.ep.row_weights_with_grad``), differentiable."""
+          projection): the routing weights (``moe_fp4.ep.row_weights_with_grad``), differentiable;
+        host_splits: (split_lens, split_offsets) as lists of G host ints, the same splits
+          (``DispatchOutput.host_splits``): save="mxfp4"'s backward then needs no synchronisation
+          (checked against the device splits when validate is True)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden \
                 or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"x: expected a bfloat16/float32 tensor [M, {self.hidden}], got {describe(x)}")
@@ -220,8 +229,18 @@ class Experts(torch.nn.Module):
         if x_mxfp4 is not None:
             _check_pair(x_mxfp4, "x_mxfp4", ((m, self.hidden // 2), torch.uint8),
                         ((m, self.hidden // 32), torch.uint8), x.device)
+        if host_splits is not None and not (
+                isinstance(host_splits, (tuple, list)) and len(host_splits) == 2
+                and all(isinstance(v, (list, tuple)) and len(v) == g and all(isinstance(i, int) for i in v)
+                        for v in host_splits)):
+            raise ValueError(f"host_splits: expected (split_lens, split_offsets), two lists of {g} ints, "
+                             f"got {type(host_splits).__name__}")
         if validate:  # (one host read of the splits: the GEMMs below then skip theirs)
             bounds = group_bounds(split_offsets, split_lens, m)
+            if host_splits is not None and [list(v) for v in host_splits] != [split_lens.tolist(),
+                                                                            split_offsets.tolist()]:
+                raise ValueError("host_splits: expected the same splits as split_lens and split_offsets, got "
+                                 f"{list(host_splits[0])[:8]}... / {list(host_splits[1])[:8]}...")
             for e, (o, end) in enumerate(bounds):
                 if end > o and o % ALIGN:
                     raise ValueError(f"split_offsets: expert {e} starts at row {o}; every expert's rows must "
@@ -234,7 +253,8 @@ class Experts(torch.nn.Module):
             raise ValueError(f"row_weights: expected a float32 tensor [{m}] on {x.device}, "
                              f"got {describe(row_weights, device=True)}")
         return _ExpertsFunction.apply(x, self.w1, self.w2, split_offsets, split_lens, self.fp8_weights(), x_fp8,
-                                      x_mxfp4, self.save, row_weights)
+                                      x_mxfp4, self.save, row_weights,
+                                      None if host_splits is None else tuple(list(v) for v in host_splits))
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "

@@ -203,6 +203,7 @@ class MoELayer(torch.nn.Module):
             if self.policy == "mxfp4":
                 extra["x_mxfp4"] = formats.unpack_mxfp4_rows(out.rows, self.hidden)
             extra["validate"] = False  # (the dispatch's own splits: aligned and inside the rows)
+            extra["host_splits"] = out.host_splits  # (None when sync-free: the backward reads them)
         row_weights = row_weights_with_grad(self.buffer, out.handle, weights)
         y = self.experts(values, out.split_offsets, out.split_lens, row_weights=row_weights, **extra)
         z = combine_with_grad(self.buffer, y, out.handle, weighted=False)
