@@ -230,3 +230,27 @@ def test_experts_gpu_matches_cpu(save):
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), *results):
         rel = float((a - b).norm() / b.norm())
         assert rel < 2.0 ** -6, f"{save} {name}: relative difference {rel}"
+
+
+def test_experts_gpu_host_splits_same_bits():
+    """save="mxfp4" with the splits also given as host ints (what a dispatch layer passes: the
+    backward's FP8 columns of the input then take them from the host): the same output and
+    gradients, bit for bit, as with the splits read from the device."""
+    from moe_fp4.moe import Experts
+
+    g, h, i = 4, 1024, 512
+    lens = [300, 0, 129, 700]
+    offsets, m = _aligned(lens)
+    gen = torch.Generator().manual_seed(SEED + 6)
+    x = torch.randn(m, h, generator=gen).cuda()
+    dy = torch.randn(m, h, generator=gen).cuda()
+    results = []
+    for host in (None, (lens, offsets)):
+        torch.manual_seed(SEED)
+        module = Experts(g, h, i, save="mxfp4", dtype=torch.float32).cuda()
+        xx = x.clone().requires_grad_()
+        y = module(xx, torch.tensor(offsets).cuda(), torch.tensor(lens).cuda(), validate=False, host_splits=host)
+        y.backward(dy)
+        results.append((y.detach(), xx.grad, module.w1.grad, module.w2.grad))
+    for name, a, b in zip(("y", "dx", "dw1", "dw2"), *results):
+        assert torch.equal(a, b), name
