@@ -113,6 +113,27 @@ def test_given_fp8_and_mxfp4_forms_equal_quantizing_inside():
         assert torch.equal(a, b)
 
 
+def test_host_splits_reach_the_column_conversion(monkeypatch):
+    """With host_splits the backward's column conversion takes new tensors made from them (int64 here,
+    against int32 device splits), not the device splits."""
+    import moe_fp4.moe.experts as experts_module
+
+    seen = []
+    convert = experts_module.ops.mxfp4_rows_to_fp8_cols
+
+    def spy(packed, scales, split_lens, split_offsets):
+        seen.append((split_lens.dtype, split_lens.tolist(), split_offsets.tolist()))
+        return convert(packed, scales, split_lens, split_offsets)
+
+    monkeypatch.setattr(experts_module.ops, "mxfp4_rows_to_fp8_cols", spy)
+    x = _input(SEED + 8)
+    offs, lens = (t.to(torch.int32) for t in _splits())
+    for host in (None, (list(LENS), list(OFFSETS))):
+        xx = x.clone().requires_grad_()
+        _module("mxfp4")(xx, offs, lens, host_splits=host).square().sum().backward()
+    assert seen == [(torch.int32, LENS, OFFSETS), (torch.int64, LENS, OFFSETS)]
+
+
 def test_fp8_weights_remade_once_per_weight_change(monkeypatch):
     module = _module("fp8", dtype=torch.bfloat16)
     first = module.fp8_weights()
@@ -184,6 +205,7 @@ def test_experts_bad_arguments():
         (lambda: module(x, offs, lens, host_splits=(LENS,)), "host_splits"),
         (lambda: module(x, offs, lens, host_splits=(LENS, [0.0, 128.0, 384.0])), "host_splits"),
         (lambda: module(x, offs, lens, host_splits=(LENS, [0, 128, 256])), "host_splits: expected the same"),
+        (lambda: module(x, offs, lens, host_splits=(LENS, [0, True, 384])), "holding a bool"),
     ]
     for call, word in cases:
         with pytest.raises(ValueError, match=word):

@@ -265,15 +265,19 @@ assert torch.equal(given, out), "wgrad with the scale offsets given"
 # (the columns' rows on the 16-byte grid: tensor-map loads; the same columns in rows 8 bytes longer:
 # per-thread loads, the same bits)
 wide = lambda t: torch.nn.functional.pad(t.view(torch.uint8), (0, 8)).view(t.dtype)[:, :t.shape[1]]
-assert dy_t.stride(0) %% 16 == 0 and wide(dy_t).stride(0) %% 16 == 8
+assert tg.wgrad_tma(dy_t, x_t) and not tg.wgrad_tma(wide(dy_t), wide(x_t)), "load path"
 assert torch.equal(gg.grouped_gemm_fp8_wgrad(wide(dy_t), dy_ts, wide(x_t), x_ts, o, l), out), "wgrad per-thread loads"
 for rows in (0, 64):  # no tokens at all (a rank that received none), fewer than one block
     _, _, c_a, c_as = ops.quantize_fp8_rows_cols(dy[:rows])
     _, _, c_b, c_bs = ops.quantize_fp8_rows_cols(x[:rows])
+    c_a, c_b = c_a[:, :rows], c_b[:, :rows]  # (columns exactly as long as the tokens: no tensor map)
+    assert not tg.wgrad_tma(c_a, c_b), rows
     few_o, few_l = torch.tensor([0, rows]), torch.tensor([rows, 0])
     few = gg.grouped_gemm_fp8_wgrad(c_a, c_as, c_b, c_bs, few_o, few_l)
     ref = gg.grouped_gemm_fp8_wgrad_reference(c_a, c_as, c_b, c_bs, few_o, few_l)
     assert float((few - ref).abs().max()) <= float(ref.abs().max()) * 2 ** -18, rows
+none = gg.grouped_gemm_fp8_wgrad(dy_t[:0], dy_ts[:0], x_t, x_ts, o, l)  # (N = 0: nothing to compute)
+assert none.shape == (g, 0, k), "wgrad with N = 0"
 again = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out=out.clone())
 assert torch.equal(again, out * 2), "wgrad accumulation"
 b16 = gg.grouped_gemm_fp8_wgrad(dy_t, dy_ts, x_t, x_ts, o, l, out_dtype=torch.bfloat16)

@@ -176,15 +176,19 @@ def test_triton_wgrad_scale_layouts():
 
 def test_triton_wgrad_few_tokens():
     """No tokens at all (a rank that received none) and fewer than one 128-token block: the operands'
-    columns too short for a tensor map; zeros and the spec's sums."""
+    columns too short for a tensor map (per-thread loads), and the same tokens in columns padded to a
+    block (tensor maps, no whole block to load); zeros and the spec's sums."""
     from moe_fp4 import ops
-    from moe_fp4.moe import grouped_gemm_fp8_wgrad
+    from moe_fp4.moe import _triton_grouped_gemm, grouped_gemm_fp8_wgrad
     from moe_fp4.moe.grouped_gemm import grouped_gemm_fp8_wgrad_reference
 
     gen = torch.Generator().manual_seed(SEED + 9)
-    for rows in (0, 64, 100):
+    for rows, padded in ((0, False), (64, False), (100, False), (64, True), (100, True)):
         _, _, a, a_s = ops.quantize_fp8_rows_cols(torch.randn(rows, 256, generator=gen).cuda().bfloat16())
         _, _, b, b_s = ops.quantize_fp8_rows_cols(torch.randn(rows, 384, generator=gen).cuda().bfloat16())
+        if not padded:
+            a, b = a[:, :rows], b[:, :rows]
+        assert _triton_grouped_gemm.wgrad_tma(a, b) == padded, (rows, padded)
         offs, lens = torch.tensor([0, rows]).cuda(), torch.tensor([rows, 0]).cuda()
         out = grouped_gemm_fp8_wgrad(a, a_s, b, b_s, offs, lens)
         ref = grouped_gemm_fp8_wgrad_reference(a, a_s, b, b_s, offs, lens)
@@ -232,7 +236,7 @@ def test_experts_gpu_matches_cpu(save):
         assert rel < 2.0 ** -6, f"{save} {name}: relative difference {rel}"
 
 
-def test_experts_gpu_host_splits_same_bits():
+def test_experts_gpu_host_splits_same_bits(monkeypatch):
     """save="mxfp4" with the splits also given as host ints (what a dispatch layer passes: the
     backward's FP8 columns of the input then take them from the host): the same output and
     gradients, bit for bit, as with the splits read from the device."""
@@ -241,10 +245,19 @@ def test_experts_gpu_host_splits_same_bits():
     g, h, i = 4, 1024, 512
     lens = [300, 0, 129, 700]
     offsets, m = _aligned(lens)
+    import moe_fp4.moe.experts as experts_module
+
     gen = torch.Generator().manual_seed(SEED + 6)
     x = torch.randn(m, h, generator=gen).cuda()
     dy = torch.randn(m, h, generator=gen).cuda()
-    results = []
+    results, seen = [], []
+    convert = experts_module.ops.mxfp4_rows_to_fp8_cols
+
+    def spy(packed, scales, split_lens, split_offsets):  # where the column conversion takes its splits from
+        seen.append((split_lens.device.type, split_offsets.device.type))
+        return convert(packed, scales, split_lens, split_offsets)
+
+    monkeypatch.setattr(experts_module.ops, "mxfp4_rows_to_fp8_cols", spy)
     for host in (None, (lens, offsets)):
         torch.manual_seed(SEED)
         module = Experts(g, h, i, save="mxfp4", dtype=torch.float32).cuda()
@@ -252,5 +265,6 @@ def test_experts_gpu_host_splits_same_bits():
         y = module(xx, torch.tensor(offsets).cuda(), torch.tensor(lens).cuda(), validate=False, host_splits=host)
         y.backward(dy)
         results.append((y.detach(), xx.grad, module.w1.grad, module.w2.grad))
+    assert seen == [("cuda", "cuda"), ("cpu", "cpu")]
     for name, a, b in zip(("y", "dx", "dw1", "dw2"), *results):
         assert torch.equal(a, b), name

@@ -241,7 +241,7 @@ class DispatchOutput:
         h = self.handle
         if h.sync_free:
             return None
-        return h.tokens_per_expert, start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment))
+        return list(h.tokens_per_expert), start_offsets(aligned_counts(h.tokens_per_expert, h.expert_alignment))
 
     @property
     def recv_topk_idx(self) -> torch.Tensor:

@@ -21,9 +21,12 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # (CPU machines without Triton: the torch reference runs instead)
     triton = None
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # (a Triton without host tensor descriptors: the wgrad kernel loads through pointers)
+    TensorDescriptor = None
 
 BLOCK_M = 128  # with 8 warps: one 128 x 128 float32 accumulator and one block product in registers
 BLOCK_N = 128  # one weight scale per program and K block
@@ -233,6 +236,16 @@ def grouped_rows(a, a_scales, b, b_scales, split_offsets, split_lens) -> torch.T
     return out
 
 
+def wgrad_tma(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the wgrad kernel loads the whole token blocks of the FP8 columns a [N, Ma], b [K, Mb]
+    through TMA tensor maps: where Triton has them and both operands' rows start on 16-byte boundaries
+    and hold at least one 128-token block (what a tensor map of those blocks needs); through
+    per-thread loads otherwise (the same bits)."""
+    return TensorDescriptor is not None and all(
+        t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[0] > 0 and t.shape[1] >= BLOCK_K
+        for t in (a, b))
+
+
 def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b_base, out, accumulate) -> None:
     """As moe_fp4.moe.grouped_gemm_fp8_wgrad (arguments checked there, group offsets multiples of 16):
     writes out [G, N, K] (float32 sums, stored in out's dtype). a_base / b_base: int [G], each group's
@@ -240,7 +253,7 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
     128 columns at a time, so they are given to the kernel block-major ([blocks, columns] contiguous:
     one 512-byte read)."""
     g, n, kdim = out.shape
-    if g == 0:
+    if g == 0 or n == 0 or kdim == 0:
         return
     if a_scales.stride(0) != 1:
         a_scales = a_scales.t().contiguous().t()
@@ -248,9 +261,7 @@ def grouped_wgrad(a, a_scales, b, b_scales, split_offsets, split_lens, a_base, b
         b_scales = b_scales.t().contiguous().t()
     n_blocks, k_blocks = n // WGRAD_BM, kdim // WGRAD_BN
     grid = (g * n_blocks * k_blocks,)
-    # whole token blocks through TMA where both operands' rows start on 16-byte boundaries (what a
-    # tensor map needs) and hold a whole block; through per-thread loads otherwise
-    tma = all(t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0 and t.shape[1] >= BLOCK_K for t in (a, b))
+    tma = wgrad_tma(a, b)
     a_desc = TensorDescriptor(a, list(a.shape), [a.stride(0), 1], [WGRAD_BM, BLOCK_K]) if tma else a
     b_desc = TensorDescriptor(b, list(b.shape), [b.stride(0), 1], [WGRAD_BN, BLOCK_K]) if tma else b
     _grouped_wgrad_kernel[grid](a_desc, b_desc, a, a_scales, b, b_scales, out, split_offsets, split_lens,

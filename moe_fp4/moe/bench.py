@@ -47,7 +47,7 @@ GOALS = {"fprop": 0.9, "dgrad": 0.8, "wgrad": 0.8}
 
 
 def _median_us(fn, iters: int) -> float:
-    return device_median_us(lambda i: fn(), 1, reps=iters, batch=min(iters, 10))
+    return device_median_us(lambda i: fn(), 1, reps=iters, batch=iters)
 
 
 def split_lengths(m: int, g: int, kind: str, seed: int = 0) -> list[int]:

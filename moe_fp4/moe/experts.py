@@ -52,6 +52,21 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.quantize_fp8_rows_cols(x)[2:]
 
 
+def _check_host_splits(host_splits, g: int) -> None:
+    if not isinstance(host_splits, (tuple, list)) or len(host_splits) != 2:
+        raise ValueError(f"host_splits: expected (split_lens, split_offsets), two lists of {g} ints, got "
+                         f"{type(host_splits).__name__}"
+                         + (f" of length {len(host_splits)}" if isinstance(host_splits, (tuple, list)) else ""))
+    for name, v in zip(("split_lens", "split_offsets"), host_splits):
+        if not isinstance(v, (list, tuple)) or len(v) != g \
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+            got = f"{type(v).__name__} of length {len(v)}" if isinstance(v, (list, tuple)) else type(v).__name__
+            bad = next((type(i).__name__ for i in v if not isinstance(i, int) or isinstance(i, bool)), None) \
+                if isinstance(v, (list, tuple)) else None
+            raise ValueError(f"host_splits: expected {name} as a list of {g} ints, got {got}"
+                             + (f" holding a {bad}" if bad else ""))
+
+
 class _ExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, offs, lens, weights, x_fp8, x_mxfp4, save, row_weights, host_splits):
@@ -211,8 +226,9 @@ class Experts(torch.nn.Module):
         row_weights: float32 [M], a weight per row applied to the SwiGLU output (before the down
           projection): the routing weights (``moe_fp4.ep.row_weights_with_grad``), differentiable;
         host_splits: (split_lens, split_offsets) as lists of G host ints, the same splits
-          (``DispatchOutput.host_splits``): save="mxfp4"'s backward then needs no synchronisation
-          (checked against the device splits when validate is True)."""
+          (``DispatchOutput.host_splits``): save="mxfp4"'s backward then needs no synchronisation.
+          Checked against the device splits when validate is True; with validate False, host splits
+          that differ give an unspecified result (the backward may read past the scales it made)."""
         if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden \
                 or x.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"x: expected a bfloat16/float32 tensor [M, {self.hidden}], got {describe(x)}")
@@ -229,18 +245,15 @@ class Experts(torch.nn.Module):
         if x_mxfp4 is not None:
             _check_pair(x_mxfp4, "x_mxfp4", ((m, self.hidden // 2), torch.uint8),
                         ((m, self.hidden // 32), torch.uint8), x.device)
-        if host_splits is not None and not (
-                isinstance(host_splits, (tuple, list)) and len(host_splits) == 2
-                and all(isinstance(v, (list, tuple)) and len(v) == g and all(isinstance(i, int) for i in v)
-                        for v in host_splits)):
-            raise ValueError(f"host_splits: expected (split_lens, split_offsets), two lists of {g} ints, "
-                             f"got {type(host_splits).__name__}")
+        if host_splits is not None:
+            _check_host_splits(host_splits, g)
         if validate:  # (one host read of the splits: the GEMMs below then skip theirs)
             bounds = group_bounds(split_offsets, split_lens, m)
-            if host_splits is not None and [list(v) for v in host_splits] != [split_lens.tolist(),
-                                                                            split_offsets.tolist()]:
-                raise ValueError("host_splits: expected the same splits as split_lens and split_offsets, got "
-                                 f"{list(host_splits[0])[:8]}... / {list(host_splits[1])[:8]}...")
+            if host_splits is not None:
+                for e, ((o, end), c, ho) in enumerate(zip(bounds, *host_splits)):
+                    if (c, ho) != (end - o, o):
+                        raise ValueError(f"host_splits: expected the same splits as split_lens and split_offsets; "
+                                         f"expert {e}: {c} rows at {ho} on the host, {end - o} at {o} on the device")
             for e, (o, end) in enumerate(bounds):
                 if end > o and o % ALIGN:
                     raise ValueError(f"split_offsets: expert {e} starts at row {o}; every expert's rows must "

@@ -140,7 +140,7 @@ def _bases(split_offsets, base):
 
 
 def check_wgrad_args(a_cols, a_scales, b_cols, b_scales, split_offsets, split_lens, a_scale_offsets,
-                     b_scale_offsets, out) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
+                     b_scale_offsets, out) -> tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]:
     """ValueError naming the argument unless the operands fit; returns (G, N, K, a_base, b_base), a base
     None where its scale offsets are not given (then split_offsets / 128: ``_bases``)."""
     _cols_operand(a_cols, a_scales, "a_cols", "a_scales")
