@@ -205,7 +205,7 @@ def test_experts_bad_arguments():
         (lambda: module(x, offs, lens, host_splits=(LENS,)), "host_splits"),
         (lambda: module(x, offs, lens, host_splits=(LENS, [0.0, 128.0, 384.0])), "host_splits"),
         (lambda: module(x, offs, lens, host_splits=(LENS, [0, 128, 256])), "host_splits: expected the same"),
-        (lambda: module(x, offs, lens, host_splits=(LENS, [0, True, 384])), "holding a bool"),
+        (lambda: module(x, offs, lens, host_splits=(LENS, [0, True, 384])), r"host_splits: .*\[0, True, 384\]"),
     ]
     for call, word in cases:
         with pytest.raises(ValueError, match=word):

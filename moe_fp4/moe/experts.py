@@ -53,18 +53,11 @@ def _cols(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_host_splits(host_splits, g: int) -> None:
-    if not isinstance(host_splits, (tuple, list)) or len(host_splits) != 2:
+    if not (isinstance(host_splits, (tuple, list)) and len(host_splits) == 2
+            and all(isinstance(v, (list, tuple)) and len(v) == g and all(type(i) is int for i in v)
+                    for v in host_splits)):
         raise ValueError(f"host_splits: expected (split_lens, split_offsets), two lists of {g} ints, got "
-                         f"{type(host_splits).__name__}"
-                         + (f" of length {len(host_splits)}" if isinstance(host_splits, (tuple, list)) else ""))
-    for name, v in zip(("split_lens", "split_offsets"), host_splits):
-        if not isinstance(v, (list, tuple)) or len(v) != g \
-                or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
-            got = f"{type(v).__name__} of length {len(v)}" if isinstance(v, (list, tuple)) else type(v).__name__
-            bad = next((type(i).__name__ for i in v if not isinstance(i, int) or isinstance(i, bool)), None) \
-                if isinstance(v, (list, tuple)) else None
-            raise ValueError(f"host_splits: expected {name} as a list of {g} ints, got {got}"
-                             + (f" holding a {bad}" if bad else ""))
+                         f"{repr(host_splits)[:120]}")
 
 
 class _ExpertsFunction(torch.autograd.Function):
